@@ -1,0 +1,129 @@
+"""Lakestream: transactional global batches on object storage.
+
+    await lakestream.create(url, world_size=8, global_batch=1024)
+    async with lakestream.open_producer(url, "tokenizer-0") as p:
+        async for record in source(start=p.cursor):
+            await p.put({"__key__": record.id, "txt": record.text}, cursor=record.position)
+    async with lakestream.open_reader(url, rank=3) as r:
+        async for batch in r.steps(start=0):
+            ...
+
+See docs/ for the guarantees and the commit protocol.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from ._errors import (
+    AccessDenied,
+    BucketNotFound,
+    ConfigMismatch,
+    CorruptData,
+    InvalidSample,
+    LakestreamError,
+    ObjectNotFound,
+    ProducerFenced,
+    StepUnavailable,
+    StoreError,
+    StoreUnavailable,
+    StreamNotFound,
+)
+from ._log import Manifest, create_stream
+from ._manifest import Config, State, Step
+from ._producer import Producer, ProducerStats
+from ._reader import RankBatch, Reader
+from ._store import ObjectStore, open_store
+from ._verify import VerifyReport, verify_state
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccessDenied",
+    "BucketNotFound",
+    "Config",
+    "ConfigMismatch",
+    "CorruptData",
+    "InvalidSample",
+    "LakestreamError",
+    "ObjectNotFound",
+    "ObjectStore",
+    "Producer",
+    "ProducerFenced",
+    "ProducerStats",
+    "RankBatch",
+    "Reader",
+    "State",
+    "Step",
+    "StepUnavailable",
+    "StoreError",
+    "StoreUnavailable",
+    "StreamNotFound",
+    "VerifyReport",
+    "create",
+    "load_state",
+    "open_producer",
+    "open_reader",
+    "open_store",
+    "verify",
+]
+
+Target = str | os.PathLike[str] | ObjectStore
+
+
+@asynccontextmanager
+async def _store_for(target: Target) -> AsyncIterator[ObjectStore]:
+    if isinstance(target, (str, os.PathLike)):
+        async with open_store(target) as store:
+            yield store
+    else:
+        yield target
+
+
+async def create(target: Target, *, world_size: int, global_batch: int, **options: Any) -> bool:
+    """Create a stream (idempotent). True if created, False if it existed with the same config.
+
+    Options: snapshot_every, keep_checkpoints, max_steps_ahead, max_sample_bytes.
+    Raises ConfigMismatch if a stream exists with another config, ValueError for bad options.
+    """
+    config = Config(world_size=world_size, global_batch=global_batch, **options)
+    async with _store_for(target) as store:
+        return await create_stream(store, config)
+
+
+async def load_state(target: Target) -> State:
+    """The stream's current manifest state. Raises StreamNotFound."""
+    async with _store_for(target) as store:
+        return await Manifest(store).load()
+
+
+@asynccontextmanager
+async def open_producer(target: Target, producer_id: str, **options: Any) -> AsyncIterator[Producer]:
+    """Register a producer (fencing older incarnations of `producer_id`) and yield it.
+
+    Leaving the block normally commits everything put, including a final partial TGB; leaving it
+    with an exception abandons what was not committed yet. `producer.cursor` is where to resume
+    the source. Options: cost, max_inflight_bytes, policy.
+    """
+    async with _store_for(target) as store, Producer(store, producer_id, **options) as producer:
+        yield producer
+
+
+@asynccontextmanager
+async def open_reader(target: Target, rank: int, world_size: int | None = None, **options: Any) -> AsyncIterator[Reader]:
+    """A reader of `rank`'s slices. Raises StreamNotFound, ConfigMismatch (world size differs).
+
+    Options: prefetch, max_prefetch_bytes, poll_interval, verify, raw (fields as stored bytes).
+    """
+    async with _store_for(target) as store, Reader(store, rank, world_size, **options) as reader:
+        yield reader
+
+
+async def verify(target: Target) -> VerifyReport:
+    """Check every invariant and every checksum of a stream; problems name step, rank and object."""
+    async with _store_for(target) as store:
+        state = await Manifest(store).load()
+        return await verify_state(store, state)

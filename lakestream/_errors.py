@@ -1,0 +1,82 @@
+"""Every error Lakestream raises on purpose.
+
+    LakestreamError
+    ├── StoreError                       the object store failed
+    │   ├── ObjectNotFound               (also FileNotFoundError)
+    │   ├── StoreUnavailable             endpoint unreachable, timeouts (also ConnectionError)
+    │   ├── AccessDenied                 bad credentials, no permission (also PermissionError)
+    │   └── BucketNotFound               (also FileNotFoundError)
+    ├── StreamNotFound                   no stream at this URL (also FileNotFoundError)
+    ├── ConfigMismatch                   init over a stream with another config (also ValueError)
+    ├── ProducerFenced                   a newer incarnation of this producer registered
+    ├── CorruptData                      a checksum or format check failed
+    ├── InvalidSample                    a sample, key, field or cursor is unusable (also ValueError)
+    └── StepUnavailable                  a step was reclaimed or discarded (also LookupError)
+
+Caller misuse (wrong types, impossible arguments) raises plain ValueError/TypeError.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AccessDenied",
+    "BucketNotFound",
+    "ConfigMismatch",
+    "CorruptData",
+    "InvalidSample",
+    "LakestreamError",
+    "ObjectNotFound",
+    "ProducerFenced",
+    "StepUnavailable",
+    "StoreError",
+    "StoreUnavailable",
+    "StreamNotFound",
+]
+
+
+class LakestreamError(Exception):
+    """Base of every error Lakestream raises on purpose."""
+
+
+class StoreError(LakestreamError):
+    """The object store failed."""
+
+
+class ObjectNotFound(StoreError, FileNotFoundError):
+    """An object does not exist."""
+
+
+class StoreUnavailable(StoreError, ConnectionError):
+    """The object store could not be reached, or kept failing after retries."""
+
+
+class AccessDenied(StoreError, PermissionError):
+    """The object store refused the credentials or the operation."""
+
+
+class BucketNotFound(StoreError, FileNotFoundError):
+    """The bucket named in the URL does not exist."""
+
+
+class StreamNotFound(LakestreamError, FileNotFoundError):
+    """No stream has been created at this URL."""
+
+
+class ConfigMismatch(LakestreamError, ValueError):
+    """A stream exists with a different configuration, or a client disagrees with it."""
+
+
+class ProducerFenced(LakestreamError):
+    """A newer incarnation of this producer registered; this one may not commit."""
+
+
+class CorruptData(LakestreamError):
+    """Stored bytes failed a checksum or format check."""
+
+
+class InvalidSample(LakestreamError, ValueError):
+    """A sample, sample key, field name or cursor cannot be stored."""
+
+
+class StepUnavailable(LakestreamError, LookupError):
+    """A step is not readable: it was reclaimed, or discarded by a rewind."""

@@ -1,0 +1,231 @@
+"""The manifest log on an object store: load, follow, append (optimistic concurrency), snapshot.
+
+Layout under the stream root:
+
+    _lakestream/log/<version:020d>.json        one record per version; version 0 is `create`
+    _lakestream/snapshots/<version:020d>.json  the whole state at that version
+    _lakestream/last_snapshot                  best-effort hint: {"version": v}
+
+Appending is a put-if-absent of `version + 1`. The loser of a race reads the versions it missed,
+applies them, asks its `build` callback for a record valid on the new state, and tries again;
+because `apply` assigns step numbers, a commit record never has to be rewritten (see
+`_manifest`). The tail is found by reading forward until a GET answers "not found": no LIST on
+the hot path.
+
+Ambiguity and ABA. A put may land while its answer is lost; the retry meets its own record. The
+writer never trusts a put's answer alone for the meaning of what it wrote: `build` derives what is
+still to do from the state, so a record that landed is seen as landed. Deleting old log versions
+(GC) opens one more hazard: a writer stalled since before a deletion could re-create a deleted
+version and believe it committed. Three rules rule it out:
+
+1. GC deletes log version v only if a snapshot at a version > v is older than `lease` seconds,
+   and deletes log versions in ascending order after pointing the hint at that snapshot.
+2. A writer whose view of the tail was last confirmed more than `lease / 2` ago reloads from the
+   newest snapshot (found by LIST) before it puts.
+3. A writer whose put succeeded more than `lease / 2` after its view was confirmed does not take
+   the success at its word: it reloads from the newest snapshot and re-derives what landed, as for
+   an ambiguous put. A resurrected version lies below that snapshot and is never read.
+
+Within `lease / 2` of a confirmation no version above the confirmed tail can have been deleted
+(it would need a snapshot above it that is `lease` old), so a put in that window meets a
+"precondition failed" rather than a gap.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import orjson
+
+from ._errors import ConfigMismatch, ObjectNotFound, StreamNotFound
+from ._manifest import Config, State, encode_record
+from ._store import ObjectStore
+
+__all__ = ["LOG_PREFIX", "Manifest", "SNAPSHOT_PREFIX", "create_stream", "log_key", "snapshot_key"]
+
+LOG_PREFIX = "_lakestream/log/"
+SNAPSHOT_PREFIX = "_lakestream/snapshots/"
+HINT_KEY = "_lakestream/last_snapshot"
+MAX_WINDOW = 32
+
+
+def log_key(version: int) -> str:
+    return f"{LOG_PREFIX}{version:020d}.json"
+
+
+def snapshot_key(version: int) -> str:
+    return f"{SNAPSHOT_PREFIX}{version:020d}.json"
+
+
+def _version_of(key: str) -> int | None:
+    name = key.rsplit("/", 1)[-1]
+    stem = name.removesuffix(".json")
+    return int(stem) if stem.isdigit() and len(stem) == 20 else None
+
+
+async def _get_or_none(store: ObjectStore, key: str) -> bytes | None:
+    try:
+        return await store.get(key)
+    except ObjectNotFound:
+        return None
+
+
+async def create_stream(store: ObjectStore, config: Config, *, wall: Callable[[], float] = time.time) -> bool:
+    """Create the stream; True if created, False if it existed with the same config.
+
+    Raises ConfigMismatch naming every option that differs.
+    """
+    record = {"kind": "create", "config": config.to_dict(), "ts": wall()}
+    if await store.put_if_absent(log_key(0), encode_record(record)):
+        return True
+    state = State()
+    state.apply(0, await store.get(log_key(0)))
+    if state.config is None:
+        raise ConfigMismatch(f"{store.url}: version 0 is not a valid create record: {state.rejected}")
+    have, want = state.config.to_dict(), config.to_dict()
+    diff = [f"{k}: stream has {have.get(k)!r}, asked for {want[k]!r}" for k in want if have.get(k) != want[k]]
+    if diff:
+        raise ConfigMismatch(f"{store.url}: a stream exists with another config: " + "; ".join(diff))
+    return False
+
+
+class Manifest:
+    """A live view of one stream's manifest. Not shared between tasks that append concurrently."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        *,
+        lease: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.state = State()
+        self.lease = lease
+        self.clock = clock
+        self.wall = wall
+        self.confirmed_at = -math.inf  # clock() when the tail was last confirmed
+        self.requests = 0  # store requests made for the log (for cost accounting)
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    # -- reading -------------------------------------------------------------------------------
+
+    async def load(self) -> State:
+        """(Re)build the state from the newest snapshot and the log after it.
+
+        Raises StreamNotFound if the stream was never created.
+        """
+        state = await self._newest_snapshot()
+        self.state = state or State()
+        await self.refresh()
+        if self.state.version < 0:
+            raise StreamNotFound(f"{self.url}: no stream here (no {log_key(0)})")
+        return self.state
+
+    async def _newest_snapshot(self) -> State | None:
+        hint = await _get_or_none(self.store, HINT_KEY)
+        self.requests += 1
+        if hint is not None:
+            try:
+                v = int(orjson.loads(hint)["version"])
+                data = await _get_or_none(self.store, snapshot_key(v))
+                self.requests += 1
+                if data is not None:
+                    return State.from_json(data)
+            except (ValueError, KeyError, TypeError):
+                pass
+        return await self._newest_listed_snapshot()
+
+    async def _newest_listed_snapshot(self) -> State | None:
+        keys = await self.store.list(SNAPSHOT_PREFIX)
+        self.requests += 1
+        for key in sorted((k for k in keys if _version_of(k) is not None), key=_version_of, reverse=True):
+            data = await _get_or_none(self.store, key)
+            self.requests += 1
+            if data is not None:
+                try:
+                    return State.from_json(data)
+                except ValueError:
+                    continue
+        return None
+
+    async def refresh(self) -> int:
+        """Apply every version written since the last call; the number applied.
+
+        Reads forward with a window that doubles while versions keep coming, so catching up on a
+        long log costs round trips in O(log) batches, and a caller at the tail pays one GET.
+        """
+        applied = 0
+        window = 1
+        while True:
+            started = self.clock()
+            base = self.state.version + 1
+            results: list[bytes | None] = [None] * window
+
+            async def fetch(i: int) -> None:
+                results[i] = await _get_or_none(self.store, log_key(base + i))
+
+            async with anyio.create_task_group() as tg:
+                for i in range(window):
+                    tg.start_soon(fetch, i)
+            self.requests += window
+            for i, data in enumerate(results):
+                if data is None:
+                    self.confirmed_at = started
+                    return applied
+                self.state.apply(base + i, data)
+                applied += 1
+            window = min(window * 2, MAX_WINDOW)
+
+    # -- writing -------------------------------------------------------------------------------
+
+    async def append(self, build: Callable[[State], dict[str, Any] | None]) -> int | None:
+        """Append `build(state)` at the next version, rebuilding it after every lost race.
+
+        `build` sees the state the record will follow and returns the record, or None when
+        nothing is left to do (for example, an earlier ambiguous put already landed). It may
+        raise to abort (a fenced producer does). Returns the version written, or None.
+        """
+        while True:
+            if self.clock() - self.confirmed_at > self.lease / 2:
+                await self._reload()
+            record = build(self.state)
+            if record is None:
+                return None
+            why = self.state.check(record)
+            if why is not None:
+                raise ValueError(f"{self.url}: refusing to write a record that would be a no-op: {why}")
+            version = self.state.version + 1
+            data = encode_record(record)
+            won = await self.store.put_if_absent(log_key(version), data)
+            self.requests += 1
+            if not won:
+                await self.refresh()
+                continue
+            if self.clock() - self.confirmed_at > self.lease / 2:
+                # Rule 3: too long since the tail was confirmed to take the success at its word.
+                await self._reload()
+                continue
+            self.state.apply(version, data)
+            self.confirmed_at = self.clock()
+            return version
+
+    async def _reload(self) -> None:
+        state = await self._newest_listed_snapshot()
+        if state is not None and state.version > self.state.version:
+            self.state = state
+        await self.refresh()
+
+    async def write_snapshot(self, state_json: bytes, version: int) -> None:
+        """Store a snapshot (same bytes from every writer) and point the hint at it."""
+        await self.store.put(snapshot_key(version), state_json)
+        await self.store.put(HINT_KEY, orjson.dumps({"version": version}))
+        self.requests += 2

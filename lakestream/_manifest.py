@@ -1,0 +1,406 @@
+"""The manifest state machine: records in, state out. No I/O, no clock, no randomness.
+
+Theory of operation
+-------------------
+A stream's manifest is a log of records at versions 0, 1, 2 … Version 0 is the `create` record;
+every later version holds exactly one record. The state at version v is `apply` folded over the
+records 0..v, and nothing else: every reader and writer that applies the same log gets the same
+state, byte for byte (`State.to_json`). A snapshot is that state serialised, so
+`snapshot(v) + records v+1..w` equals replaying 0..w.
+
+Invariants, kept by `apply` alone:
+
+* Steps are `first_step .. head` with no gaps. A `commit` appends its TGBs at `head + 1 …` in
+  record order; step numbers are assigned here, never by the writer. A commit record therefore
+  does not change when its writer loses a race and retries at a later version ("rebase" is free).
+* A record that is invalid at its position — bad JSON, unknown kind, wrong schema, a stale epoch,
+  a sequence number that is not the producer's next — is a no-op, recorded in `rejected`.
+  Writers check their own record against the state they built before putting it, so in a healthy
+  stream nothing is ever rejected; `verify` and `status` report it when something is.
+* `register` raises a producer's epoch by exactly one; a producer may commit only with its current
+  epoch. An older incarnation ("zombie") that catches up with the log sees the newer epoch before
+  it can write the next version, so it can never commit again.
+* Each TGB carries a per-producer sequence number; a commit is valid only if its first TGB's `seq`
+  is the producer's committed `seq + 1`. A writer that is unsure whether its put landed re-reads
+  the log: every TGB with `seq <= producers[id].seq` is committed, every other one is not.
+* Each TGB carries the producer's source cursor after its last sample, so a restarted producer
+  resumes exactly after its last committed sample.
+* `checkpoint`, `release`, `reclaim` and `rewind` (the lifecycle) only move `first_step`, `head`,
+  the checkpoint list and epochs; they never reorder steps.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Config",
+    "ProducerState",
+    "RankSlice",
+    "State",
+    "Step",
+    "decode_record",
+    "encode_record",
+]
+
+FORMAT_VERSION = 1
+_PRODUCER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """What `create` fixes for the life of a stream."""
+
+    world_size: int
+    global_batch: int
+    snapshot_every: int = 1000
+    keep_checkpoints: int = 3
+    max_steps_ahead: int = 0  # 0: unbounded
+    max_sample_bytes: int = 1 << 30
+    format: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "global_batch", "snapshot_every", "max_sample_bytes"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("keep_checkpoints", "max_steps_ahead"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+        if self.format != FORMAT_VERSION:
+            raise ValueError(f"unsupported stream format {self.format!r} (this library reads {FORMAT_VERSION})")
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "format": self.format,
+            "world_size": self.world_size,
+            "global_batch": self.global_batch,
+            "snapshot_every": self.snapshot_every,
+            "keep_checkpoints": self.keep_checkpoints,
+            "max_steps_ahead": self.max_steps_ahead,
+            "max_sample_bytes": self.max_sample_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Config:
+        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        return cls(**known)
+
+
+@dataclass(frozen=True, slots=True)
+class RankSlice:
+    """Where one rank's part of a TGB lives in its segment."""
+
+    offset: int
+    length: int
+    crc32: int
+    samples: int
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One committed TGB at its step."""
+
+    step: int
+    version: int
+    segment: str
+    producer: str
+    epoch: int
+    seq: int
+    ranks: tuple[RankSlice, ...]
+    cursor: Any
+    ts: float
+
+    @property
+    def samples(self) -> int:
+        return sum(r.samples for r in self.ranks)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.length for r in self.ranks)
+
+    def to_list(self) -> list[Any]:
+        return [
+            self.step, self.version, self.segment, self.producer, self.epoch, self.seq,
+            [[r.offset, r.length, r.crc32, r.samples] for r in self.ranks], self.cursor, self.ts,
+        ]  # fmt: skip
+
+    @classmethod
+    def from_list(cls, v: list[Any]) -> Step:
+        step, version, segment, producer, epoch, seq, ranks, cursor, ts = v
+        return cls(step, version, segment, producer, epoch, seq, tuple(RankSlice(*r) for r in ranks), cursor, ts)
+
+
+@dataclass(slots=True)
+class ProducerState:
+    epoch: int = 0
+    seq: int = -1  # last committed TGB sequence number
+    cursor: Any = None  # source position after the last committed sample
+    token: str = ""  # the registering incarnation's random id
+    last_ts: float = 0.0  # timestamp of its last record
+    commits: int = 0
+    tgbs: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch, "seq": self.seq, "cursor": self.cursor, "token": self.token,
+            "last_ts": self.last_ts, "commits": self.commits, "tgbs": self.tgbs,
+        }  # fmt: skip
+
+
+def encode_record(record: dict[str, Any]) -> bytes:
+    return orjson.dumps(record)
+
+
+def decode_record(data: bytes) -> dict[str, Any]:
+    """Raises ValueError for anything that is not a JSON object with a string `kind`."""
+    record = orjson.loads(data)
+    if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
+        raise ValueError("not a record: a JSON object with a string 'kind' is required")
+    return record
+
+
+class _Reject(Exception):
+    pass
+
+
+def _need(cond: bool, why: str) -> None:
+    if not cond:
+        raise _Reject(why)
+
+
+def _int(v: Any, lo: int = 0) -> bool:
+    return type(v) is int and v >= lo
+
+
+def _ts(record: dict[str, Any]) -> float:
+    ts = record.get("ts", 0.0)
+    return float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) else 0.0
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    id: str
+    step: int
+    version: int
+
+
+@dataclass(slots=True)
+class State:
+    """A stream's manifest state at `version`. Mutated only by `apply`."""
+
+    version: int = -1
+    config: Config | None = None
+    first_step: int = 0  # lowest step not reclaimed
+    steps: list[Step] = field(default_factory=list)  # steps[i] is step first_step + i
+    producers: dict[str, ProducerState] = field(default_factory=dict)
+    checkpoints: list[Checkpoint] = field(default_factory=list)  # oldest first
+    rewinds: int = 0
+    rejected: list[tuple[int, str]] = field(default_factory=list)
+
+    # -- queries -------------------------------------------------------------------------------
+
+    @property
+    def head(self) -> int:
+        """The newest committed step, or first_step - 1 (-1 for a new stream) when there is none."""
+        return self.first_step + len(self.steps) - 1
+
+    @property
+    def watermark(self) -> int:
+        """The oldest retained checkpoint's step; -1 with no checkpoint (nothing reclaimable)."""
+        return self.checkpoints[0].step if self.checkpoints else -1
+
+    def step(self, n: int) -> Step | None:
+        i = n - self.first_step
+        return self.steps[i] if 0 <= i < len(self.steps) else None
+
+    # -- the transition function ---------------------------------------------------------------
+
+    def apply(self, version: int, data: bytes) -> str | None:
+        """Apply the record stored at `version`; None if it took effect, else why it was a no-op.
+
+        `version` must be `self.version + 1`. Deterministic; never raises for bad record bytes.
+        """
+        if version != self.version + 1:
+            raise ValueError(f"apply: version {version} does not follow {self.version}")
+        try:
+            record = decode_record(data)
+            self._apply(version, record)
+            why = None
+        except (_Reject, ValueError, TypeError, KeyError) as e:
+            why = f"{type(e).__name__}: {e}" if not isinstance(e, _Reject) else str(e)
+            self.rejected.append((version, why))
+        self.version = version
+        return why
+
+    def check(self, record: dict[str, Any]) -> str | None:
+        """Why `record` would be a no-op at the next version, or None if it would take effect."""
+        try:
+            self._validate(self.version + 1, record)
+        except (_Reject, ValueError, TypeError, KeyError) as e:
+            return str(e)
+        return None
+
+    def _validate(self, version: int, r: dict[str, Any]) -> None:
+        kind = r.get("kind")
+        if version == 0:
+            _need(kind == "create", "version 0 must be a create record")
+            _need(isinstance(r.get("config"), dict), "create: config must be an object")
+            Config.from_dict(r["config"])
+            return
+        _need(self.config is not None, "stream has no valid create record")
+        if kind == "register":
+            pid = r.get("producer")
+            _need(isinstance(pid, str) and bool(_PRODUCER_ID.match(pid)), f"register: bad producer id {pid!r}")
+            prev = self.producers.get(pid)
+            want = (prev.epoch if prev else 0) + 1
+            _need(r.get("epoch") == want, f"register {pid}: epoch {r.get('epoch')!r} is not {want}")
+            _need(isinstance(r.get("token"), str), f"register {pid}: token must be a string")
+        elif kind == "commit":
+            self._validate_commit(r)
+        elif kind == "checkpoint":
+            cid, step = r.get("id"), r.get("step")
+            _need(isinstance(cid, str) and 0 < len(cid) <= 256, f"checkpoint: bad id {cid!r}")
+            _need(_int(step), f"checkpoint {cid}: bad step {step!r}")
+            _need(self.first_step <= step <= self.head, f"checkpoint {cid}: step {step} is not retained")
+            for c in self.checkpoints:
+                _need(c.id != cid, f"checkpoint {cid}: id already recorded at step {c.step}")
+            _need(not self.checkpoints or step >= self.checkpoints[-1].step,
+                  f"checkpoint {cid}: step {step} is older than the newest checkpoint")  # fmt: skip
+        elif kind == "release":
+            cid = r.get("id")
+            _need(any(c.id == cid for c in self.checkpoints), f"release: no checkpoint {cid!r}")
+        elif kind == "reclaim":
+            below = r.get("below")
+            _need(_int(below), f"reclaim: bad step {below!r}")
+            _need(below > self.first_step, f"reclaim: steps below {below} are already gone")
+            _need(below <= self.watermark, f"reclaim: step {below} is above the watermark {self.watermark}")
+        elif kind == "rewind":
+            to = r.get("to_step")
+            _need(_int(to, -1), f"rewind: bad step {to!r}")
+            _need(self.first_step - 1 <= to <= self.head, f"rewind: step {to} is not retained")
+        else:
+            raise _Reject(f"unknown record kind {kind!r}")
+
+    def _validate_commit(self, r: dict[str, Any]) -> None:
+        pid = r.get("producer")
+        p = self.producers.get(pid) if isinstance(pid, str) else None
+        _need(p is not None, f"commit: producer {pid!r} is not registered")
+        assert p is not None
+        _need(r.get("epoch") == p.epoch, f"commit {pid}: epoch {r.get('epoch')!r} is fenced by {p.epoch}")
+        _need(r.get("seq") == p.seq + 1, f"commit {pid}: seq {r.get('seq')!r} is not the next ({p.seq + 1})")
+        tgbs = r.get("tgbs")
+        _need(isinstance(tgbs, list) and len(tgbs) > 0, f"commit {pid}: tgbs must be a non-empty list")
+        assert self.config is not None
+        w = self.config.world_size
+        for t in tgbs:
+            _need(isinstance(t, dict), f"commit {pid}: a TGB must be an object")
+            _need(isinstance(t.get("segment"), str) and t["segment"].startswith("segments/"),
+                  f"commit {pid}: bad segment key {t.get('segment')!r}")  # fmt: skip
+            ranks = t.get("ranks")
+            _need(isinstance(ranks, list) and len(ranks) == w, f"commit {pid}: a TGB needs {w} rank slices")
+            for rs in ranks:
+                _need(isinstance(rs, list) and len(rs) == 4 and all(_int(x) for x in rs),
+                      f"commit {pid}: bad rank slice {rs!r}")  # fmt: skip
+
+    def _apply(self, version: int, r: dict[str, Any]) -> None:
+        self._validate(version, r)
+        kind = r["kind"]
+        if kind == "create":
+            self.config = Config.from_dict(r["config"])
+        elif kind == "register":
+            p = self.producers.setdefault(r["producer"], ProducerState())
+            p.epoch, p.token, p.last_ts = r["epoch"], r["token"], _ts(r)
+        elif kind == "commit":
+            p = self.producers[r["producer"]]
+            ts = _ts(r)
+            for i, t in enumerate(r["tgbs"]):
+                self.steps.append(
+                    Step(
+                        step=self.head + 1, version=version, segment=t["segment"], producer=r["producer"],
+                        epoch=r["epoch"], seq=r["seq"] + i, ranks=tuple(RankSlice(*x) for x in t["ranks"]),
+                        cursor=t.get("cursor"), ts=ts,
+                    )  # fmt: skip
+                )
+                p.cursor = t.get("cursor")
+            p.seq = r["seq"] + len(r["tgbs"]) - 1
+            p.last_ts = ts
+            p.commits += 1
+            p.tgbs += len(r["tgbs"])
+        elif kind == "checkpoint":
+            self.checkpoints.append(Checkpoint(r["id"], r["step"], version))
+            assert self.config is not None
+            if self.config.keep_checkpoints:
+                del self.checkpoints[: -self.config.keep_checkpoints]
+        elif kind == "release":
+            self.checkpoints = [c for c in self.checkpoints if c.id != r["id"]]
+        elif kind == "reclaim":
+            below = r["below"]
+            del self.steps[: below - self.first_step]
+            self.first_step = below
+        elif kind == "rewind":
+            to = r["to_step"]
+            del self.steps[to + 1 - self.first_step :]
+            self.checkpoints = [c for c in self.checkpoints if c.step <= to]
+            self.rewinds += 1
+            # Every producer is fenced and resumes from its cursor as of step `to`.
+            last: dict[str, Step] = {}
+            for s in self.steps:
+                last[s.producer] = s
+            for pid, p in self.producers.items():
+                s = last.get(pid)
+                p.epoch += 1
+                p.token = ""
+                p.cursor = s.cursor if s else None
+                # Sequence numbers keep rising so that discarded TGBs are never mistaken for new ones.
+
+    def copy(self) -> State:
+        """An independent copy; O(steps) pointer copies, steps themselves are immutable."""
+        return State(
+            version=self.version, config=self.config, first_step=self.first_step, steps=list(self.steps),
+            producers={k: ProducerState(**v.to_dict()) for k, v in self.producers.items()},
+            checkpoints=[Checkpoint(c.id, c.step, c.version) for c in self.checkpoints],
+            rewinds=self.rewinds, rejected=list(self.rejected),
+        )  # fmt: skip
+
+    # -- snapshots -----------------------------------------------------------------------------
+
+    def to_json(self) -> bytes:
+        """The whole state, deterministic bytes (a snapshot)."""
+        return orjson.dumps(self.to_dict())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "config": self.config.to_dict() if self.config else None,
+            "first_step": self.first_step,
+            "steps": [s.to_list() for s in self.steps],
+            "producers": {k: self.producers[k].to_dict() for k in sorted(self.producers)},
+            "checkpoints": [[c.id, c.step, c.version] for c in self.checkpoints],
+            "rewinds": self.rewinds,
+            "rejected": [list(x) for x in self.rejected],
+        }
+
+    @classmethod
+    def from_json(cls, data: bytes) -> State:
+        """Raises ValueError if `data` is not a snapshot."""
+        try:
+            d = orjson.loads(data)
+            return cls(
+                version=d["version"],
+                config=Config.from_dict(d["config"]) if d["config"] else None,
+                first_step=d["first_step"],
+                steps=[Step.from_list(s) for s in d["steps"]],
+                producers={k: ProducerState(**v) for k, v in d["producers"].items()},
+                checkpoints=[Checkpoint(*c) for c in d["checkpoints"]],
+                rewinds=d["rewinds"],
+                rejected=[(v, w) for v, w in d["rejected"]],
+            )
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"not a snapshot: {e}") from e

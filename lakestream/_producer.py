@@ -1,0 +1,316 @@
+"""Producers: samples in, transactional global batches committed exactly once.
+
+    put(sample, cursor) -> builder -> (full) seal: assign ranks, encode, upload  -> committer
+                                      bounded bytes in flight, pipelined            groups ready TGBs
+
+A producer registers with a new epoch (fencing every older incarnation of its id), reads the cursor
+of its last committed TGB and resumes its source there. Each TGB gets the next sequence number of
+the producer; the committer commits the ready prefix of its TGBs in order, and learns from the
+manifest itself which of them landed (see `_manifest`), so an ambiguous put is never repeated.
+Errors of background work surface at the next `put`, `flush` or `close`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import orjson
+
+from ._batching import assign_ranks
+from ._errors import InvalidSample, ProducerFenced
+from ._log import Manifest
+from ._manifest import State
+from ._segment import EncodedSample, encode_sample, encode_segment
+from ._store import ObjectStore
+
+__all__ = ["Producer", "ProducerStats"]
+
+log = logging.getLogger("lakestream.producer")
+
+
+@dataclass(slots=True)
+class _Tgb:
+    seq: int
+    samples: list[EncodedSample]
+    costs: list[float] | None
+    cursor: Any
+    nbytes: int
+    sealed_at: float
+    segment: str = ""
+    ranks: list[list[int]] = field(default_factory=list)
+    uploaded: bool = False
+
+
+@dataclass(slots=True)
+class ProducerStats:
+    samples: int = 0
+    tgbs_committed: int = 0
+    bytes_uploaded: int = 0
+    commits: int = 0
+    commit_attempts: int = 0
+    ready_to_visible: list[float] = field(default_factory=list)
+
+
+class Producer:
+    """Turns samples into committed TGBs. Create with `lakestream.open_producer`."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        producer_id: str,
+        *,
+        cost: Callable[[Mapping[str, Any]], float] | None = None,
+        max_inflight_bytes: int = 256 << 20,
+        policy: Any = None,
+        manifest: Manifest | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.id = producer_id
+        self.manifest = manifest or Manifest(store, clock=clock)
+        self._cost = cost
+        self._max_inflight = max_inflight_bytes
+        self._policy = policy
+        self._clock = clock
+        self._token = uuid.uuid4().hex
+        self.epoch = 0
+        self.cursor: Any = None  # the source position to resume from (after the last committed sample)
+        self.stats = ProducerStats()
+        self._next_seq = 0
+        self._committed_seq = -1
+        self._samples: list[EncodedSample] = []
+        self._costs: list[float] = []
+        self._keys: set[str] = set()
+        self._last_cursor: Any = None
+        self._pending: deque[_Tgb] = deque()
+        self._inflight = 0
+        self._changed = anyio.Event()
+        self._closing = False
+        self._error: BaseException | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Producer:
+        state = await self.manifest.load()
+        assert state.config is not None
+        self.config = state.config
+        await self._register()
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._committer)
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if exc_type is None:
+                await self.close()
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop at once: uploads and commits in progress are abandoned (never half-visible)."""
+        if self._tg is not None:
+            tg, self._tg = self._tg, None
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(None, None, None)
+
+    async def _register(self) -> None:
+        def build(state: State) -> dict[str, Any] | None:
+            p = state.producers.get(self.id)
+            if p is not None and p.token == self._token:
+                return None  # an earlier, ambiguous attempt landed
+            epoch = (p.epoch if p else 0) + 1
+            return {"kind": "register", "producer": self.id, "epoch": epoch, "token": self._token, "ts": time.time()}
+
+        await self.manifest.append(build)
+        p = self.manifest.state.producers[self.id]
+        if p.token != self._token:  # pragma: no cover - append guarantees it
+            raise ProducerFenced(f"{self.manifest.url}: producer {self.id!r} could not register")
+        self.epoch = p.epoch
+        self.cursor = p.cursor
+        self._committed_seq = p.seq
+        self._next_seq = p.seq + 1
+        log.info("%s: producer %s registered epoch %d, resuming at %r", self.manifest.url, self.id, self.epoch, self.cursor)
+
+    # -- the public API ------------------------------------------------------------------------
+
+    async def put(self, sample: Mapping[str, Any], *, cursor: Any = None) -> None:
+        """Add one sample; `cursor` is the source position just after it (JSON-able).
+
+        Awaits while too many bytes are in flight. Raises InvalidSample for a sample or cursor that
+        cannot be stored (nothing is added), ProducerFenced if a newer incarnation registered, and
+        any error of background uploads or commits.
+        """
+        self._check()
+        try:
+            orjson.dumps(cursor)
+        except TypeError as e:
+            raise InvalidSample(f"producer {self.id!r}: cursor {cursor!r} is not JSON: {e}") from None
+        enc = encode_sample(sample, f"{self._next_seq:06d}-{len(self._samples):05d}", max_bytes=self.config.max_sample_bytes)
+        if enc.key in self._keys:
+            raise InvalidSample(f"producer {self.id!r}: sample key {enc.key!r} appears twice in one global batch")
+        cost = None
+        if self._cost is not None:
+            cost = float(self._cost(sample))
+            if not math.isfinite(cost) or cost < 0:
+                raise InvalidSample(f"producer {self.id!r}: cost of sample {enc.key!r} is {cost!r}")
+            self._costs.append(cost)
+        self._samples.append(enc)
+        self._keys.add(enc.key)
+        self._last_cursor = cursor
+        self.stats.samples += 1
+        if len(self._samples) >= self.config.global_batch:
+            await self._seal()
+
+    async def flush(self) -> None:
+        """Wait until every full TGB put so far is committed (a partial one stays open)."""
+        target = self._next_seq - 1
+        while self._committed_seq < target:
+            self._check()
+            await self._wait_changed()
+        self._check()
+
+    async def close(self) -> None:
+        """Commit everything, including a final partial TGB (the end of a finite source)."""
+        self._check()
+        if self._samples:
+            await self._seal()
+        await self.flush()
+        self._closing = True
+        self._notify()
+
+    @property
+    def committed_seq(self) -> int:
+        return self._committed_seq
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._tg is None and self.epoch:
+            raise RuntimeError(f"producer {self.id!r} is closed")
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def _wait_changed(self) -> None:
+        await self._changed.wait()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+        self._notify()
+
+    async def _seal(self) -> None:
+        samples, self._samples = self._samples, []
+        costs, self._costs = (self._costs or None), []
+        self._keys = set()
+        tgb = _Tgb(self._next_seq, samples, costs, self._last_cursor, sum(s.nbytes for s in samples), self._clock())
+        self._next_seq += 1
+        while self._inflight and self._inflight + tgb.nbytes > self._max_inflight:
+            self._check()
+            await self._wait_changed()
+        self._inflight += tgb.nbytes
+        self._pending.append(tgb)
+        assert self._tg is not None
+        self._tg.start_soon(self._upload, tgb)
+
+    async def _upload(self, tgb: _Tgb) -> None:
+        try:
+            w = self.config.world_size
+            ranks = assign_ranks(tgb.costs, len(tgb.samples), w)
+            data, slices = await anyio.to_thread.run_sync(encode_segment, [[tgb.samples[i] for i in r] for r in ranks])
+            key = f"segments/{self.id}/{self.epoch}-{tgb.seq}-{uuid.uuid4().hex}.tgb"
+            await self.store.put(key, data)
+            tgb.segment, tgb.ranks, tgb.samples = key, slices, []
+            tgb.uploaded = True
+            self.stats.bytes_uploaded += len(data)
+            self._notify()
+        except Exception as e:
+            self._fail(e)
+
+    async def _committer(self) -> None:
+        try:
+            while True:
+                ready = self._ready()
+                if not ready:
+                    if self._closing and not self._pending:
+                        return
+                    await self._wait_changed()
+                    continue
+                if self._policy is not None:
+                    await self._policy.wait(self, ready)
+                    ready = self._ready()
+                await self._commit(ready)
+        except Exception as e:
+            self._fail(e)
+
+    def _ready(self) -> list[_Tgb]:
+        ready = []
+        for t in self._pending:
+            if not t.uploaded:
+                break
+            ready.append(t)
+        return ready
+
+    def _drop_committed(self, state: State) -> None:
+        p = state.producers.get(self.id)
+        if p is None or p.epoch != self.epoch:
+            raise ProducerFenced(
+                f"{self.manifest.url}: producer {self.id!r} epoch {self.epoch} is fenced"
+                f" (the manifest has epoch {p.epoch if p else None})"
+            )
+        now = self._clock()
+        while self._pending and self._pending[0].seq <= p.seq:
+            t = self._pending.popleft()
+            self._inflight -= t.nbytes
+            self.stats.tgbs_committed += 1
+            self.stats.ready_to_visible.append(now - t.sealed_at)
+        self._committed_seq = p.seq
+        self.cursor = p.cursor
+
+    async def _commit(self, ready: list[_Tgb]) -> None:
+        group = {t.seq for t in ready}
+
+        def build(state: State) -> dict[str, Any] | None:
+            self.stats.commit_attempts += 1
+            self._drop_committed(state)
+            tgbs = [t for t in self._pending if t.seq in group]
+            if not tgbs:
+                return None
+            return {
+                "kind": "commit",
+                "producer": self.id,
+                "epoch": self.epoch,
+                "seq": tgbs[0].seq,
+                "ts": time.time(),
+                "tgbs": [{"segment": t.segment, "ranks": t.ranks, "cursor": t.cursor} for t in tgbs],
+            }
+
+        version = await self.manifest.append(build)
+        self._drop_committed(self.manifest.state)
+        if version is not None:
+            self.stats.commits += 1
+            every = self.config.snapshot_every
+            if version % every == 0 and self._tg is not None:
+                self._tg.start_soon(self._snapshot, self.manifest.state.copy())
+        self._notify()
+
+    async def _snapshot(self, state: State) -> None:
+        try:
+            data = await anyio.to_thread.run_sync(state.to_json)
+            await self.manifest.write_snapshot(data, state.version)
+        except Exception as e:  # best effort: a missing snapshot costs readers time, not data
+            log.warning("%s: snapshot at version %d failed: %s", self.manifest.url, state.version, e)

@@ -1,0 +1,218 @@
+"""Readers: one rank's slice of every committed step, in order, exactly once.
+
+A reader follows the manifest log (a GET of the next version; "not found" means "not yet"),
+polling with an interval that doubles while nothing arrives and resets when something does. For
+each step it fetches only its rank's slice with one range GET, checks the CRC-32 the commit record
+holds, and decodes it. The next `prefetch` committed steps are fetched ahead, within a byte bound.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from ._errors import ConfigMismatch, StepUnavailable
+from ._log import Manifest
+from ._manifest import State, Step
+from ._segment import decode_slice
+from ._store import ObjectStore
+
+__all__ = ["RankBatch", "Reader"]
+
+
+@dataclass(frozen=True, slots=True)
+class RankBatch:
+    """One rank's samples of one step."""
+
+    step: int
+    rank: int
+    samples: list[dict[str, Any]]
+    version: int  # manifest version that committed the step
+    producer: str
+    nbytes: int  # bytes of the rank slice as stored
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+@dataclass(slots=True)
+class _Fetch:
+    nbytes: int
+    done: anyio.Event = field(default_factory=anyio.Event)
+    result: RankBatch | None = None
+    error: BaseException | None = None
+
+
+class Reader:
+    """Reads one rank's slices. Create with `lakestream.open_reader`."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        rank: int,
+        world_size: int | None = None,
+        *,
+        prefetch: int = 4,
+        max_prefetch_bytes: int = 512 << 20,
+        poll_interval: tuple[float, float] = (0.005, 0.5),
+        verify: bool = True,
+        raw: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if type(rank) is not int or rank < 0:
+            raise ValueError(f"rank must be a non-negative integer, got {rank!r}")
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.manifest = Manifest(store, clock=clock)
+        self.prefetch = max(0, prefetch)
+        self.max_prefetch_bytes = max_prefetch_bytes
+        self.poll_min, self.poll_max = poll_interval
+        self.verify = verify
+        self.raw = raw
+        self.bytes_fetched = 0
+        self.requests = 0
+        self._fetches: dict[int, _Fetch] = {}
+        self._inflight_bytes = 0
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    @property
+    def state(self) -> State:
+        return self.manifest.state
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    async def __aenter__(self) -> Reader:
+        state = await self.manifest.load()
+        assert state.config is not None
+        w = state.config.world_size
+        if self.world_size is not None and self.world_size != w:
+            raise ConfigMismatch(f"{self.url}: reader expects world size {self.world_size}, the stream has {w}")
+        if self.rank >= w:
+            raise ValueError(f"{self.url}: rank {self.rank} is out of range for world size {w}")
+        self.world_size = w
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._tg is not None:
+            tg, self._tg = self._tg, None
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(None, None, None)
+        self._fetches.clear()
+
+    # -- following the log ---------------------------------------------------------------------
+
+    async def refresh(self) -> State:
+        """Catch up with the log now."""
+        await self.manifest.refresh()
+        return self.state
+
+    async def wait_for_step(self, step: int, *, timeout: float | None = None) -> Step:
+        """The manifest entry of `step`, waiting until it is committed.
+
+        Raises StepUnavailable if it was reclaimed or discarded, TimeoutError after `timeout`.
+        """
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        interval = self.poll_min
+        while True:
+            entry = self._entry(step)
+            if entry is not None:
+                return entry
+            if await self.manifest.refresh():
+                interval = self.poll_min
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.url}: step {step} not committed within {timeout} s")
+            await anyio.sleep(min(interval, left))
+            interval = min(interval * 2, self.poll_max)
+
+    def _entry(self, step: int) -> Step | None:
+        s = self.state
+        if step < s.first_step:
+            raise StepUnavailable(
+                f"{self.url}: step {step} was reclaimed (first readable step {s.first_step}, watermark {s.watermark})"
+            )
+        return s.step(step)
+
+    # -- fetching ------------------------------------------------------------------------------
+
+    async def read_step(self, step: int, *, timeout: float | None = None) -> RankBatch:
+        """This rank's samples of `step`, waiting for it to be committed."""
+        entry = await self.wait_for_step(step, timeout=timeout)
+        fetch = self._start(entry)
+        await fetch.done.wait()
+        self._fetches.pop(step, None)
+        if fetch.error is not None:
+            raise fetch.error
+        assert fetch.result is not None
+        return fetch.result
+
+    async def steps(self, start: int = 0, stop: int | None = None) -> AsyncIterator[RankBatch]:
+        """Every step from `start` up to `stop` (exclusive; None: forever), in order.
+
+        Waits for steps not committed yet. Raises StepUnavailable for a reclaimed step and
+        CorruptData for a slice that fails its checksum.
+        """
+        step = start
+        while stop is None or step < stop:
+            await self.wait_for_step(step)
+            self._prefetch_after(step, stop)
+            yield await self.read_step(step)
+            step += 1
+
+    def _prefetch_after(self, step: int, stop: int | None) -> None:
+        last = min(self.state.head, step + self.prefetch)
+        if stop is not None:
+            last = min(last, stop - 1)
+        for n in range(step + 1, last + 1):
+            entry = self.state.step(n)
+            if entry is None:
+                break
+            if n not in self._fetches and self._inflight_bytes + entry.ranks[self.rank].length > self.max_prefetch_bytes:
+                break
+            self._start(entry)
+
+    def _start(self, entry: Step) -> _Fetch:
+        fetch = self._fetches.get(entry.step)
+        if fetch is None:
+            if self._tg is None:
+                raise RuntimeError("reader is closed")
+            fetch = self._fetches[entry.step] = _Fetch(entry.ranks[self.rank].length)
+            self._inflight_bytes += fetch.nbytes
+            self._tg.start_soon(self._fetch, entry, fetch)
+        return fetch
+
+    async def _fetch(self, entry: Step, fetch: _Fetch) -> None:
+        try:
+            fetch.result = await self.fetch_slice(entry)
+        except Exception as e:
+            fetch.error = e
+        finally:
+            self._inflight_bytes -= fetch.nbytes
+            fetch.done.set()
+
+    async def fetch_slice(self, entry: Step) -> RankBatch:
+        """Fetch, check and decode this rank's slice of a committed step: one range GET."""
+        r = entry.ranks[self.rank]
+        data = await self.store.get_range(entry.segment, r.offset, r.length) if r.length else b""
+        self.requests += 1
+        self.bytes_fetched += len(data)
+        where = f"{self.url} step {entry.step} rank {self.rank} object {entry.segment}"
+        samples = await anyio.to_thread.run_sync(
+            lambda: decode_slice(data, r.crc32 if self.verify else None, where, raw=self.raw)
+        )
+        return RankBatch(entry.step, self.rank, samples, entry.version, entry.producer, r.length)

@@ -1,0 +1,41 @@
+"""Object stores: `file://PATH` (or a plain path), `s3://BUCKET/PREFIX`, `memory://`."""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import urlparse
+
+from ._base import ObjectStore
+from ._file import FileStore
+from ._memory import MemoryStore
+
+__all__ = ["FileStore", "MemoryStore", "ObjectStore", "open_store", "split_url"]
+
+
+def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
+    """(scheme, rest) with plain paths taken as `file`."""
+    url = os.fspath(url)
+    parsed = urlparse(url)
+    if parsed.scheme in ("", "file") or len(parsed.scheme) == 1:  # '' or a Windows drive letter
+        path = parsed.path if parsed.scheme == "file" else url
+        return "file", (parsed.netloc + path) if parsed.scheme == "file" else path
+    return parsed.scheme, url
+
+
+def open_store(url: str | os.PathLike[str], **options: object) -> ObjectStore:
+    """A store for `url`. Use it as an async context manager (or call `aclose()`).
+
+    Raises ValueError for an unknown scheme; S3 needs the `s3` extra (aiobotocore).
+    """
+    scheme, rest = split_url(url)
+    if scheme == "file":
+        return FileStore(rest, **options)  # type: ignore[arg-type]
+    if scheme == "memory":
+        return MemoryStore(rest)
+    if scheme == "s3":
+        try:
+            from ._s3 import S3Store
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError("s3:// URLs need the 's3' extra: pip install 'lakestream[s3]'") from e
+        return S3Store.from_url(rest, **options)
+    raise ValueError(f"unsupported store URL {os.fspath(url)!r}: use file://, s3:// or memory://")

@@ -1,0 +1,146 @@
+"""`file://` store: a directory on a local or shared POSIX filesystem.
+
+Objects are written to a hidden temporary file in the target's directory and then renamed (put)
+or hard-linked (put_if_absent) into place, so a reader sees a whole object or none, and exactly one
+of any number of concurrent processes wins a put_if_absent (link(2) fails with EEXIST for the
+others). With `durable=True` the file and its directory are fsynced before the call returns, so
+an object a commit record points to survives a machine crash, not only a process crash.
+Blocking calls run in worker threads.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import anyio.to_thread
+
+from .._errors import ObjectNotFound
+
+__all__ = ["FileStore"]
+
+
+class FileStore:
+    def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
+        self.root = Path(root).absolute()
+        self.url = f"file://{self.root}"
+        self.durable = durable
+
+    def _path(self, key: str) -> Path:
+        parts = key.split("/")
+        if not key or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
+            raise ValueError(f"{self.url}: invalid object key {key!r}")
+        return self.root.joinpath(*parts)
+
+    # -- blocking helpers, run in threads -----------------------------------------------------
+
+    def _read(self, key: str, offset: int, length: int | None) -> bytes:
+        try:
+            with open(self._path(key), "rb", buffering=0) as f:
+                if offset:
+                    f.seek(offset)
+                if length is None:
+                    return f.read()
+                buf = bytearray(length)
+                view = memoryview(buf)
+                got = 0
+                while got < length:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+                return bytes(buf) if got == length else bytes(buf[:got])
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{self.url}: no object {key!r}") from None
+
+    def _write_temp(self, path: Path, data: bytes) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if self.durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        return tmp
+
+    def _sync_dir(self, path: Path) -> None:
+        if self.durable:
+            fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def _put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        tmp = self._write_temp(path, data)
+        os.replace(tmp, path)
+        self._sync_dir(path)
+
+    def _put_if_absent(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        if path.exists():
+            return False
+        tmp = self._write_temp(path, data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+        self._sync_dir(path)
+        return True
+
+    def _list(self, prefix: str) -> list[str]:
+        # Walk only the directory that can hold the prefix.
+        base, _, _ = prefix.rpartition("/")
+        start = self.root.joinpath(*base.split("/")) if base else self.root
+        out = []
+        for dirpath, dirnames, filenames in os.walk(start):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            rel = os.path.relpath(dirpath, self.root)
+            rel = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+            out.extend(rel + f for f in filenames if not f.startswith(".") and (rel + f).startswith(prefix))
+        out.sort()
+        return out
+
+    def _delete(self, keys: list[str]) -> None:
+        for key in keys:
+            try:
+                os.unlink(self._path(key))
+            except FileNotFoundError:
+                pass
+
+    # -- the protocol ----------------------------------------------------------------------
+
+    async def get(self, key: str) -> bytes:
+        return await anyio.to_thread.run_sync(self._read, key, 0, None)
+
+    async def get_range(self, key: str, offset: int, length: int) -> bytes:
+        return await anyio.to_thread.run_sync(self._read, key, offset, length)
+
+    async def put(self, key: str, data: bytes) -> None:
+        await anyio.to_thread.run_sync(self._put, key, data)
+
+    async def put_if_absent(self, key: str, data: bytes) -> bool:
+        return await anyio.to_thread.run_sync(self._put_if_absent, key, data)
+
+    async def list(self, prefix: str) -> list[str]:
+        return await anyio.to_thread.run_sync(self._list, prefix)
+
+    async def delete(self, keys: list[str]) -> None:
+        await anyio.to_thread.run_sync(self._delete, list(keys))
+
+    async def aclose(self) -> None:
+        pass
+
+    async def __aenter__(self) -> FileStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,335 @@
+"""`s3://BUCKET/PREFIX` store on aiobotocore (the only module that imports botocore).
+
+Endpoint, credentials and region come from the standard AWS environment and config files
+(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION / AWS_DEFAULT_REGION,
+default 'us-east-1'), each overridable by keyword. Addressing is path-style, so any S3-compatible
+server works. `put_if_absent` is a conditional PutObject (`If-None-Match: *`).
+
+Retries are ours alone (botocore's are off): throttling, 5xx, connection errors and timeouts are
+retried with jittered exponential backoff within `max_attempts` and `retry_timeout` seconds, then
+raise StoreUnavailable. Every botocore error becomes a Lakestream StoreError in `_error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import aiobotocore.session
+from aiobotocore.config import AioConfig
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    HTTPClientError,
+    IncompleteReadError,
+    NoCredentialsError,
+    PartialCredentialsError,
+)
+from botocore.exceptions import ConnectionError as BotoConnectionError
+
+from .._errors import AccessDenied, BucketNotFound, ObjectNotFound, StoreError, StoreUnavailable
+
+__all__ = ["S3Store"]
+
+T = TypeVar("T")
+
+_TRANSIENT = (BotoConnectionError, HTTPClientError, IncompleteReadError)  # refused, timeouts, resets
+_RETRY_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "TooManyRequests",
+        "RequestLimitExceeded",
+        "RequestThrottled",
+        "ServiceUnavailable",
+        "InternalError",
+        "RequestTimeout",
+        "ConditionalRequestConflict",  # 409: a concurrent conditional write on the key is in flight
+        "OperationAborted",
+    }
+)
+_DENIED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "InvalidToken",
+        "ExpiredToken",
+        "TokenRefreshRequired",
+        "AllAccessDisabled",
+        "AccountProblem",
+        "InvalidSecurity",
+    }
+)
+_BATCH = 1000  # DeleteObjects limit
+
+
+def _code_status(e: ClientError) -> tuple[str, int]:
+    return str(e.response.get("Error", {}).get("Code", "")), int(
+        e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+    )
+
+
+def _retryable(e: BaseException) -> bool:
+    if isinstance(e, ClientError):
+        code, status = _code_status(e)
+        return code in _RETRY_CODES or status == 429 or (status >= 500 and status != 501)
+    return isinstance(e, _TRANSIENT)
+
+
+class S3Store:
+    """An object store rooted at `s3://bucket/prefix`; keys are relative to the prefix.
+
+    Keyword options: `endpoint_url`, `aws_access_key_id`, `aws_secret_access_key`,
+    `aws_session_token`, `region_name` (default from the environment, else 'us-east-1'),
+    `max_pool_connections` (64), `connect_timeout` (5 s), `read_timeout` (60 s),
+    `max_attempts` (6) and `retry_timeout` (10 s) for our retries.
+    The client is created on first use; `aclose()` releases it (a later call opens a new one).
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        aws_access_key_id: str | None = None,
+        aws_secret_access_key: str | None = None,
+        aws_session_token: str | None = None,
+        region_name: str | None = None,
+        max_pool_connections: int = 64,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 60.0,
+        max_attempts: int = 6,
+        retry_timeout: float = 10.0,
+    ) -> None:
+        if not bucket or "/" in bucket:
+            raise ValueError(f"invalid S3 bucket name {bucket!r}")
+        prefix = prefix.strip("/")
+        self.bucket = bucket
+        self.prefix = prefix
+        self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+        self._root = prefix + "/" if prefix else ""
+        self._client_args: dict[str, Any] = {
+            k: v
+            for k, v in {
+                "endpoint_url": endpoint_url,
+                "aws_access_key_id": aws_access_key_id,
+                "aws_secret_access_key": aws_secret_access_key,
+                "aws_session_token": aws_session_token,
+            }.items()
+            if v is not None
+        }
+        self._region = region_name
+        self._config = AioConfig(
+            s3={"addressing_style": "path"},
+            retries={"total_max_attempts": 1, "mode": "standard"},  # retries are ours
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            max_pool_connections=max_pool_connections,
+            # Only where S3 demands it (DeleteObjects): not every S3-compatible server speaks
+            # the newer default CRC trailers, and Lakestream checksums its own data.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        self.max_attempts = max(1, max_attempts)
+        self.retry_timeout = retry_timeout
+        # A guess for messages until the client resolves it (botocore reads the same variables).
+        self.endpoint_url: str = (
+            endpoint_url
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+            or "the default AWS endpoint"
+        )
+        self._client: Any = None
+        self._stack = contextlib.AsyncExitStack()
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> S3Store:
+        """A store for `s3://BUCKET[/PREFIX]`."""
+        if not url.startswith("s3://"):
+            raise ValueError(f"not an s3:// URL: {url!r}")
+        bucket, _, prefix = url[len("s3://") :].partition("/")
+        return cls(bucket, prefix, **options)
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.url!r}, endpoint={self.endpoint_url!r})"
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    async def _get_client(self) -> Any:
+        if self._client is None:
+            async with self._lock:
+                if self._client is None:
+                    session = aiobotocore.session.get_session()
+                    region = self._region or session.get_config_variable("region") or "us-east-1"
+                    client = await self._stack.enter_async_context(
+                        session.create_client("s3", region_name=region, config=self._config, **self._client_args)
+                    )
+                    self.endpoint_url = client.meta.endpoint_url
+                    self._client = client
+        return self._client
+
+    def _key(self, key: str) -> str:
+        if not key or any(p in ("", ".", "..") for p in key.split("/")):
+            raise ValueError(f"{self.url}: invalid object key {key!r}")
+        return self._root + key
+
+    def _error(self, code: str, status: int, message: str, key: str | None, op: str) -> StoreError:
+        """The one translation of an S3 error response into a Lakestream error."""
+        where = f"bucket {self.bucket!r} at {self.endpoint_url}"
+        if code == "NoSuchBucket":
+            return BucketNotFound(f"{self.url}: {where} does not exist")
+        if key is not None and (code in ("NoSuchKey", "NotFound") or status == 404):
+            return ObjectNotFound(f"{self.url}: no object {key!r} (key {self._root + key!r} in {where})")
+        if code in _DENIED_CODES or status == 403:
+            return AccessDenied(
+                f"{self.url}: {where} denied {op} ({code or status}: {message}); check the credentials "
+                "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and their permissions"
+            )
+        target = f" {key!r}" if key is not None else ""
+        return StoreError(f"{self.url}: {op}{target} failed in {where}: {code or status}: {message}")
+
+    def _translate(self, e: BaseException, key: str | None, op: str, attempts: int, elapsed: float) -> StoreError:
+        if isinstance(e, ClientError):
+            code, status = _code_status(e)
+            if _retryable(e):
+                return StoreUnavailable(
+                    f"{self.url}: {op} kept failing in bucket {self.bucket!r} at {self.endpoint_url} "
+                    f"({attempts} attempts in {elapsed:.1f}s): {code or status}: {e}"
+                )
+            return self._error(code, status, str(e.response.get("Error", {}).get("Message", e)), key, op)
+        if isinstance(e, (NoCredentialsError, PartialCredentialsError)):
+            return AccessDenied(
+                f"{self.url}: no usable credentials for bucket {self.bucket!r} at {self.endpoint_url}: {e}; "
+                "set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+            )
+        if isinstance(e, _TRANSIENT):
+            return StoreUnavailable(
+                f"{self.url}: S3 endpoint {self.endpoint_url} unreachable for bucket {self.bucket!r} "
+                f"({attempts} attempts in {elapsed:.1f}s): {e}"
+            )
+        return StoreError(f"{self.url}: {op} failed in bucket {self.bucket!r} at {self.endpoint_url}: {e!r}")
+
+    async def _run(self, op: str, key: str | None, attempt: Callable[[Any], Awaitable[T]]) -> T:
+        """`attempt(client)` with our retries; botocore errors leave here translated."""
+        start = time.monotonic()
+        n = 0
+        while True:
+            n += 1
+            try:
+                return await attempt(await self._get_client())
+            except (ClientError, BotoCoreError) as e:
+                elapsed = time.monotonic() - start
+                delay = min(2.0, 0.1 * 2 ** (n - 1))
+                delay = delay / 2 + random.uniform(0, delay / 2)
+                if not _retryable(e) or n >= self.max_attempts or elapsed + delay > self.retry_timeout:
+                    raise self._translate(e, key, op, n, elapsed) from e
+            await asyncio.sleep(delay)
+
+    # -- the protocol ----------------------------------------------------------------------------
+
+    async def get(self, key: str) -> bytes:
+        """The whole object. Raises ObjectNotFound."""
+        full = self._key(key)
+
+        async def attempt(c: Any) -> bytes:
+            resp = await c.get_object(Bucket=self.bucket, Key=full)
+            async with resp["Body"] as body:
+                return await body.read()
+
+        return await self._run("get", key, attempt)
+
+    async def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """`length` bytes from `offset` (fewer at the end of the object). Raises ObjectNotFound."""
+        if offset < 0 or length < 0:
+            raise ValueError(f"invalid range offset={offset} length={length}")
+        full = self._key(key)
+        if length == 0:
+            return b""
+
+        async def attempt(c: Any) -> bytes:
+            try:
+                resp = await c.get_object(Bucket=self.bucket, Key=full, Range=f"bytes={offset}-{offset + length - 1}")
+            except ClientError as e:
+                code, status = _code_status(e)
+                if status == 416 or code == "InvalidRange":  # offset at or past the end
+                    return b""
+                raise
+            async with resp["Body"] as body:
+                data = await body.read()
+            if resp["ResponseMetadata"]["HTTPStatusCode"] == 200:  # Range ignored: whole object
+                data = data[offset : offset + length]
+            return data
+
+        return await self._run("get_range", key, attempt)
+
+    async def put(self, key: str, data: bytes) -> None:
+        """Create or replace the object (S3 PUTs are atomic)."""
+        full = self._key(key)
+        await self._run("put", key, lambda c: c.put_object(Bucket=self.bucket, Key=full, Body=bytes(data)))
+
+    async def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Conditional PUT (`If-None-Match: *`). False on 412, which after a retry may mean an
+        earlier attempt of this same call landed: the caller resolves that ambiguity."""
+        full = self._key(key)
+        body = bytes(data)
+
+        async def attempt(c: Any) -> bool:
+            try:
+                await c.put_object(Bucket=self.bucket, Key=full, Body=body, IfNoneMatch="*")
+            except ClientError as e:
+                code, status = _code_status(e)
+                if status == 412 or code == "PreconditionFailed":
+                    return False
+                raise
+            return True
+
+        return await self._run("put_if_absent", key, attempt)
+
+    async def list(self, prefix: str) -> list[str]:
+        """Every key starting with `prefix`, sorted here (not every server lists in byte order)."""
+        full = self._root + prefix
+        cut = len(self._root)
+        keys: set[str] = set()
+        token: str | None = None
+        while True:
+            params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full}
+            if token:
+                params["ContinuationToken"] = token
+            page = await self._run("list", None, lambda c, p=params: c.list_objects_v2(**p))
+            keys.update(o["Key"][cut:] for o in page.get("Contents", ()) if not o["Key"].endswith("/"))
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return sorted(keys)
+
+    async def delete(self, keys: list[str]) -> None:
+        """Delete the objects (DeleteObjects, 1000 a request); missing ones are ignored."""
+        full = [self._key(k) for k in keys]
+        for i in range(0, len(full), _BATCH):
+            batch = {"Objects": [{"Key": k} for k in full[i : i + _BATCH]], "Quiet": True}
+            resp = await self._run("delete", None, lambda c, b=batch: c.delete_objects(Bucket=self.bucket, Delete=b))
+            for err in resp.get("Errors", ()):
+                if err.get("Code") != "NoSuchKey":
+                    rel = str(err.get("Key", ""))[len(self._root) :]
+                    raise self._error(str(err.get("Code", "")), 0, str(err.get("Message", "")), None, f"delete {rel!r}")
+
+    async def aclose(self) -> None:
+        """Close the client and its connections. Idempotent."""
+        self._client = None
+        stack, self._stack = self._stack, contextlib.AsyncExitStack()
+        self._lock = asyncio.Lock()
+        await stack.aclose()
+
+    async def __aenter__(self) -> S3Store:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
