@@ -18,10 +18,10 @@ still to do from the state, so a record that landed is seen as landed. Deleting 
 (GC) opens one more hazard: a writer stalled since before a deletion could re-create a deleted
 version and believe it committed. Three rules rule it out:
 
-1. GC deletes log version v only if a snapshot at a version > v is older than `lease` seconds,
-   and deletes log versions in ascending order after pointing the hint at that snapshot.
-2. A writer whose view of the tail was last confirmed more than `lease / 2` ago reloads from the
-   newest snapshot (found by LIST) before it puts.
+1. GC deletes log version v (and snapshots older than v) only once the hint has pointed at a
+   snapshot above v for at least `lease` seconds, and deletes log versions in ascending order.
+2. A writer or reader whose view of the tail was last confirmed more than `lease / 2` ago first
+   moves to the newest snapshot (found by LIST) before it reads or puts the next version.
 3. A writer whose put succeeded more than `lease / 2` after its view was confirmed does not take
    the success at its word: it reloads from the newest snapshot and re-derives what landed, as for
    an ambiguous put. A resurrected version lies below that snapshot and is never read.
@@ -34,6 +34,7 @@ Within `lease / 2` of a confirmation no version above the confirmed tail can hav
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,8 +42,9 @@ from typing import Any
 import anyio
 import orjson
 
-from ._errors import ConfigMismatch, ObjectNotFound, StreamNotFound
+from ._errors import ConfigMismatch, ObjectNotFound, StoreUnavailable, StreamNotFound
 from ._manifest import Config, State, encode_record
+from ._retry import retry
 from ._store import ObjectStore
 
 __all__ = ["LOG_PREFIX", "Manifest", "SNAPSHOT_PREFIX", "create_stream", "log_key", "snapshot_key"]
@@ -103,8 +105,12 @@ class Manifest:
         lease: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        retries: int = 8,
+        rng: random.Random | None = None,
     ) -> None:
         self.store = store
+        self.retries = retries
+        self.rng = rng or random.Random()
         self.state = State()
         self.lease = lease
         self.clock = clock
@@ -118,25 +124,30 @@ class Manifest:
 
     # -- reading -------------------------------------------------------------------------------
 
+    async def _get(self, key: str) -> bytes | None:
+        return await retry(lambda: _get_or_none(self.store, key))
+
     async def load(self) -> State:
         """(Re)build the state from the newest snapshot and the log after it.
 
         Raises StreamNotFound if the stream was never created.
         """
+        started = self.clock()
         state = await self._newest_snapshot()
         self.state = state or State()
+        self.confirmed_at = started  # the hint is as fresh as the moment it was read (rule 1)
         await self.refresh()
         if self.state.version < 0:
             raise StreamNotFound(f"{self.url}: no stream here (no {log_key(0)})")
         return self.state
 
     async def _newest_snapshot(self) -> State | None:
-        hint = await _get_or_none(self.store, HINT_KEY)
+        hint = await self._get(HINT_KEY)
         self.requests += 1
         if hint is not None:
             try:
                 v = int(orjson.loads(hint)["version"])
-                data = await _get_or_none(self.store, snapshot_key(v))
+                data = await self._get(snapshot_key(v))
                 self.requests += 1
                 if data is not None:
                     return State.from_json(data)
@@ -145,10 +156,10 @@ class Manifest:
         return await self._newest_listed_snapshot()
 
     async def _newest_listed_snapshot(self) -> State | None:
-        keys = await self.store.list(SNAPSHOT_PREFIX)
+        keys = await retry(lambda: self.store.list(SNAPSHOT_PREFIX))
         self.requests += 1
         for key in sorted((k for k in keys if _version_of(k) is not None), key=_version_of, reverse=True):
-            data = await _get_or_none(self.store, key)
+            data = await self._get(key)
             self.requests += 1
             if data is not None:
                 try:
@@ -164,6 +175,12 @@ class Manifest:
         long log costs round trips in O(log) batches, and a caller at the tail pays one GET.
         """
         applied = 0
+        if self.clock() - self.confirmed_at > self.lease / 2:
+            # Rule 2 for readers too: a view this old may sit below a log clean-up.
+            state = await self._newest_listed_snapshot()
+            if state is not None and state.version > self.state.version:
+                self.state = state
+                applied += 1
         window = 1
         while True:
             started = self.clock()
@@ -171,7 +188,7 @@ class Manifest:
             results: list[bytes | None] = [None] * window
 
             async def fetch(i: int) -> None:
-                results[i] = await _get_or_none(self.store, log_key(base + i))
+                results[i] = await self._get(log_key(base + i))
 
             async with anyio.create_task_group() as tg:
                 for i in range(window):
@@ -193,36 +210,41 @@ class Manifest:
         `build` sees the state the record will follow and returns the record, or None when
         nothing is left to do (for example, an earlier ambiguous put already landed). It may
         raise to abort (a fenced producer does). Returns the version written, or None.
+        A put whose answer is lost (StoreUnavailable) is retried `retries` times with backoff;
+        the retry reads the log first, so a put that did land is recognised, not repeated.
         """
+        failures = 0
         while True:
-            if self.clock() - self.confirmed_at > self.lease / 2:
-                await self._reload()
-            record = build(self.state)
-            if record is None:
-                return None
-            why = self.state.check(record)
-            if why is not None:
-                raise ValueError(f"{self.url}: refusing to write a record that would be a no-op: {why}")
-            version = self.state.version + 1
-            data = encode_record(record)
-            won = await self.store.put_if_absent(log_key(version), data)
-            self.requests += 1
+            try:
+                if failures or self.clock() - self.confirmed_at > self.lease / 2:
+                    await self.refresh()
+                record = build(self.state)
+                if record is None:
+                    return None
+                why = self.state.check(record)
+                if why is not None:
+                    raise ValueError(f"{self.url}: refusing to write a record that would be a no-op: {why}")
+                version = self.state.version + 1
+                data = encode_record(record)
+                self.requests += 1
+                won = await self.store.put_if_absent(log_key(version), data)
+            except StoreUnavailable:
+                failures += 1
+                if failures > self.retries:
+                    raise
+                await anyio.sleep(min(0.05 * 2**failures, 2.0) * (0.5 + self.rng.random()))
+                continue
             if not won:
                 await self.refresh()
                 continue
             if self.clock() - self.confirmed_at > self.lease / 2:
                 # Rule 3: too long since the tail was confirmed to take the success at its word.
-                await self._reload()
+                self.confirmed_at = -math.inf
+                await self.refresh()
                 continue
             self.state.apply(version, data)
             self.confirmed_at = self.clock()
             return version
-
-    async def _reload(self) -> None:
-        state = await self._newest_listed_snapshot()
-        if state is not None and state.version > self.state.version:
-            self.state = state
-        await self.refresh()
 
     async def write_snapshot(self, state_json: bytes, version: int) -> None:
         """Store a snapshot (same bytes from every writer) and point the hint at it."""

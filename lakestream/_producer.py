@@ -28,6 +28,7 @@ import orjson
 from ._batching import assign_ranks
 from ._errors import InvalidSample, ProducerFenced
 from ._log import Manifest
+from ._retry import retry
 from ._manifest import State
 from ._segment import EncodedSample, encode_sample, encode_segment
 from ._store import ObjectStore
@@ -104,10 +105,12 @@ class Producer:
         state = await self.manifest.load()
         assert state.config is not None
         self.config = state.config
-        await self._register()
+        version = await self._register()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._committer)
+        if version is not None:
+            self._appended(version)
         return self
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -124,7 +127,7 @@ class Producer:
             tg.cancel_scope.cancel()
             await tg.__aexit__(None, None, None)
 
-    async def _register(self) -> None:
+    async def _register(self) -> int | None:
         def build(state: State) -> dict[str, Any] | None:
             p = state.producers.get(self.id)
             if p is not None and p.token == self._token:
@@ -132,7 +135,7 @@ class Producer:
             epoch = (p.epoch if p else 0) + 1
             return {"kind": "register", "producer": self.id, "epoch": epoch, "token": self._token, "ts": time.time()}
 
-        await self.manifest.append(build)
+        version = await self.manifest.append(build)
         p = self.manifest.state.producers[self.id]
         if p.token != self._token:  # pragma: no cover - append guarantees it
             raise ProducerFenced(f"{self.manifest.url}: producer {self.id!r} could not register")
@@ -141,6 +144,7 @@ class Producer:
         self._committed_seq = p.seq
         self._next_seq = p.seq + 1
         log.info("%s: producer %s registered epoch %d, resuming at %r", self.manifest.url, self.id, self.epoch, self.cursor)
+        return version
 
     # -- the public API ------------------------------------------------------------------------
 
@@ -233,7 +237,7 @@ class Producer:
             ranks = assign_ranks(tgb.costs, len(tgb.samples), w)
             data, slices = await anyio.to_thread.run_sync(encode_segment, [[tgb.samples[i] for i in r] for r in ranks])
             key = f"segments/{self.id}/{self.epoch}-{tgb.seq}-{uuid.uuid4().hex}.tgb"
-            await self.store.put(key, data)
+            await retry(lambda: self.store.put(key, data))
             tgb.segment, tgb.ranks, tgb.samples = key, slices, []
             tgb.uploaded = True
             self.stats.bytes_uploaded += len(data)
@@ -303,10 +307,14 @@ class Producer:
         self._drop_committed(self.manifest.state)
         if version is not None:
             self.stats.commits += 1
-            every = self.config.snapshot_every
-            if version % every == 0 and self._tg is not None:
-                self._tg.start_soon(self._snapshot, self.manifest.state.copy())
+            self._appended(version)
         self._notify()
+
+    def _appended(self, version: int) -> None:
+        """Whoever writes a version that is a multiple of `snapshot_every` snapshots it, off the
+        commit path (the state is copied now; serialising and writing happen in the background)."""
+        if version % self.config.snapshot_every == 0 and self._tg is not None:
+            self._tg.start_soon(self._snapshot, self.manifest.state.copy())
 
     async def _snapshot(self, state: State) -> None:
         try:

@@ -20,6 +20,7 @@ import anyio.to_thread
 from ._errors import ConfigMismatch, StepUnavailable
 from ._log import Manifest
 from ._manifest import State, Step
+from ._retry import retry
 from ._segment import decode_slice
 from ._store import ObjectStore
 
@@ -208,7 +209,7 @@ class Reader:
     async def fetch_slice(self, entry: Step) -> RankBatch:
         """Fetch, check and decode this rank's slice of a committed step: one range GET."""
         r = entry.ranks[self.rank]
-        data = await self.store.get_range(entry.segment, r.offset, r.length) if r.length else b""
+        data = await retry(lambda: self.store.get_range(entry.segment, r.offset, r.length))
         self.requests += 1
         self.bytes_fetched += len(data)
         where = f"{self.url} step {entry.step} rank {self.rank} object {entry.segment}"

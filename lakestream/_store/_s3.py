@@ -170,9 +170,10 @@ class S3Store:
                 if self._client is None:
                     session = aiobotocore.session.get_session()
                     region = self._region or session.get_config_variable("region") or "us-east-1"
-                    client = await self._stack.enter_async_context(
-                        session.create_client("s3", region_name=region, config=self._config, **self._client_args)
+                    creator = session.create_client(
+                        "s3", region_name=region, config=self._config, **self._client_args
                     )
+                    client = await self._stack.enter_async_context(creator)
                     self.endpoint_url = client.meta.endpoint_url
                     self._client = client
         return self._client
@@ -197,7 +198,9 @@ class S3Store:
         target = f" {key!r}" if key is not None else ""
         return StoreError(f"{self.url}: {op}{target} failed in {where}: {code or status}: {message}")
 
-    def _translate(self, e: BaseException, key: str | None, op: str, attempts: int, elapsed: float) -> StoreError:
+    def _translate(
+        self, e: BaseException, key: str | None, op: str, attempts: int, elapsed: float
+    ) -> StoreError:
         if isinstance(e, ClientError):
             code, status = _code_status(e)
             if _retryable(e):
@@ -255,9 +258,11 @@ class S3Store:
         if length == 0:
             return b""
 
+        span = f"bytes={offset}-{offset + length - 1}"
+
         async def attempt(c: Any) -> bytes:
             try:
-                resp = await c.get_object(Bucket=self.bucket, Key=full, Range=f"bytes={offset}-{offset + length - 1}")
+                resp = await c.get_object(Bucket=self.bucket, Key=full, Range=span)
             except ClientError as e:
                 code, status = _code_status(e)
                 if status == 416 or code == "InvalidRange":  # offset at or past the end
@@ -315,11 +320,14 @@ class S3Store:
         full = [self._key(k) for k in keys]
         for i in range(0, len(full), _BATCH):
             batch = {"Objects": [{"Key": k} for k in full[i : i + _BATCH]], "Quiet": True}
-            resp = await self._run("delete", None, lambda c, b=batch: c.delete_objects(Bucket=self.bucket, Delete=b))
+            resp = await self._run(
+                "delete", None, lambda c, b=batch: c.delete_objects(Bucket=self.bucket, Delete=b)
+            )
             for err in resp.get("Errors", ()):
-                if err.get("Code") != "NoSuchKey":
+                code = str(err.get("Code", ""))
+                if code != "NoSuchKey":
                     rel = str(err.get("Key", ""))[len(self._root) :]
-                    raise self._error(str(err.get("Code", "")), 0, str(err.get("Message", "")), None, f"delete {rel!r}")
+                    raise self._error(code, 0, str(err.get("Message", "")), None, f"delete {rel!r}")
 
     async def aclose(self) -> None:
         """Close the client and its connections. Idempotent."""

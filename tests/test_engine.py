@@ -1,0 +1,331 @@
+"""Producers and readers racing real coroutines, with faults injected through a wrapping store."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import anyio
+import numpy as np
+import pytest
+
+import lakestream
+from lakestream import (
+    ConfigMismatch,
+    CorruptData,
+    InvalidSample,
+    ProducerFenced,
+    StreamNotFound,
+)
+from lakestream._log import Manifest, log_key, snapshot_key
+from lakestream._producer import Producer
+from lakestream._store import FileStore, MemoryStore
+from lakestream._store._faulty import FaultyStore
+
+W, B = 3, 6
+
+
+@pytest.fixture(params=["memory", "file"])
+async def store(request: pytest.FixtureRequest, tmp_path):
+    s = MemoryStore() if request.param == "memory" else FileStore(tmp_path / "stream", durable=False)
+    await lakestream.create(s, world_size=W, global_batch=B, snapshot_every=7)
+    yield s
+
+
+async def produce(store, pid: str, n: int, *, flush_every: int = 0, **kw) -> Producer:
+    async with lakestream.open_producer(store, pid, **kw) as p:
+        for i in range(p.cursor or 0, n):
+            await p.put({"__key__": f"{pid}-{i}", "txt": f"{pid} {i}", "arr": np.full(3, i)}, cursor=i + 1)
+            if flush_every and (i + 1) % flush_every == 0:
+                await p.flush()
+    return p
+
+
+async def read_all(store, rank: int) -> list[lakestream.RankBatch]:
+    state = await lakestream.load_state(store)
+    async with lakestream.open_reader(store, rank) as r:
+        return [b async for b in r.steps(state.first_step, state.head + 1)]
+
+
+async def test_every_sample_once_and_ranks_agree(store) -> None:
+    async with anyio.create_task_group() as tg:
+        for k in range(4):
+            tg.start_soon(produce, store, f"p{k}", 40)
+    state = await lakestream.load_state(store)
+    assert state.head == 4 * 7 - 1  # 6 full TGBs and a final partial one each
+    per_rank = [await read_all(store, r) for r in range(W)]
+    keys = Counter(s["__key__"] for batches in per_rank for b in batches for s in b.samples)
+    assert keys == Counter(f"p{k}-{i}" for k in range(4) for i in range(40))
+    for batches in per_rank:
+        assert [b.step for b in batches] == list(range(state.head + 1))
+        assert [(b.producer, b.version) for b in batches] == [(b.producer, b.version) for b in per_rank[0]]
+    # one TGB per step: all of its samples come from one producer, in put order across ranks
+    for step in range(state.head + 1):
+        owners = {s["__key__"].split("-")[0] for batches in per_rank for s in batches[step].samples}
+        assert owners == {state.step(step).producer}
+    assert (await lakestream.verify(store)).ok
+
+
+async def test_values_round_trip(store) -> None:
+    async with lakestream.open_producer(store, "p") as p:
+        await p.put({"__key__": "a", "txt": "héllo", "bin": b"\x00\x01", "npy": np.eye(2), "json": {"x": [1, 2]}})
+    (batch,) = await read_all(store, 0)
+    (s,) = batch.samples
+    assert s["txt"] == "héllo" and s["bin"] == b"\x00\x01" and s["json"] == {"x": [1, 2]}
+    assert (s["npy"] == np.eye(2)).all()
+
+
+async def test_reader_waits_for_steps_committed_later(store) -> None:
+    got: list[int] = []
+
+    async def read() -> None:
+        async with lakestream.open_reader(store, 1, poll_interval=(0.001, 0.01)) as r:
+            async for b in r.steps(0, 5):
+                got.append(b.step)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(read)
+        await anyio.sleep(0.05)
+        assert got == []
+        await produce(store, "p", 5 * B)
+    assert got == [0, 1, 2, 3, 4]
+
+
+async def test_nothing_visible_before_the_commit_record(tmp_path) -> None:
+    inner = MemoryStore()
+    await lakestream.create(inner, world_size=W, global_batch=B)
+    gate = anyio.Event()
+    reached = anyio.Event()
+
+    async def hook(op: str, key: str) -> None:
+        segments = any(k.startswith("segments/") for k in inner.objects)
+        if op == "put_if_absent" and key.startswith("_lakestream/log/") and segments and not gate.is_set():
+            reached.set()
+            await gate.wait()
+
+    store = FaultyStore(inner, hook=hook)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: produce(store, "p", B))
+        await reached.wait()
+        # the segment is uploaded and the commit is about to be put: readers see nothing yet
+        assert (await lakestream.load_state(inner)).head == -1
+        async with lakestream.open_reader(inner, 0) as r:
+            with pytest.raises(TimeoutError):
+                await r.wait_for_step(0, timeout=0.05)
+        gate.set()
+    state = await lakestream.load_state(inner)
+    assert state.head == 0 and state.step(0).samples == B
+
+
+async def test_ambiguous_commits_are_not_duplicated() -> None:
+    inner = MemoryStore()
+    await lakestream.create(inner, world_size=W, global_batch=B)
+    store = FaultyStore(inner, ambiguous_put=0.4, only=lambda op, key: key.startswith("_lakestream/log/"))
+    async with anyio.create_task_group() as tg:
+        for k in range(3):
+            tg.start_soon(lambda k=k: produce(store, f"p{k}", 10 * B, flush_every=B))
+    assert store.injected["put_if_absent:ambiguous"] >= 5
+    state = await lakestream.load_state(inner)
+    assert state.head == 30 - 1 and not state.rejected
+    batches = [b for r in range(W) for b in await read_all(inner, r)]
+    keys = Counter(s["__key__"] for b in batches for s in b.samples)
+    assert set(keys.values()) == {1} and len(keys) == 30 * B
+
+
+async def test_transient_failures_are_retried() -> None:
+    inner = MemoryStore()
+    await lakestream.create(inner, world_size=W, global_batch=B)
+    store = FaultyStore(inner, fail_before=0.2, rng=random.Random(3))
+    await produce(store, "p", 8 * B)
+    async with lakestream.open_reader(store, 2) as r:
+        assert len([b async for b in r.steps(0, 8)]) == 8
+    assert sum(store.injected.values()) >= 5
+
+
+async def test_a_newer_incarnation_fences_the_older(store) -> None:
+    old = Producer(store, "p")
+    await old.__aenter__()
+    try:
+        for i in range(B):
+            await old.put({"txt": str(i)}, cursor=i + 1)
+        await old.flush()
+        new = await produce(store, "p", 2 * B)  # resumes at cursor B, commits one more TGB
+        assert new.epoch == old.epoch + 1
+        with pytest.raises(ProducerFenced, match="fenced"):
+            for i in range(B, 2 * B):
+                await old.put({"txt": str(i)}, cursor=i + 1)
+            await old.close()
+    finally:
+        await old.aclose()
+    state = await lakestream.load_state(store)
+    assert [s.epoch for s in state.steps] == [1, 2] and state.producers["p"].cursor == 2 * B
+
+
+async def test_resume_cursor_and_partial_batches(store) -> None:
+    with pytest.raises(RuntimeError, match="boom"):
+        async with lakestream.open_producer(store, "p") as p:
+            for i in range(B + 2):
+                await p.put({"txt": str(i)}, cursor=i + 1)
+            await p.flush()
+            raise RuntimeError("boom")
+    state = await lakestream.load_state(store)
+    assert state.head == 0 and state.producers["p"].cursor == B  # the partial TGB was abandoned
+    p = await produce(store, "p", B + 2)
+    assert p.stats.samples == 2
+    state = await lakestream.load_state(store)
+    assert state.head == 1 and state.step(1).samples == 2 and state.producers["p"].cursor == B + 2
+
+
+async def test_snapshots_are_written_and_equal_replay(store) -> None:
+    await produce(store, "p", 20 * B, flush_every=B)
+    keys = await store.list("_lakestream/snapshots/")
+    assert snapshot_key(7) in keys and snapshot_key(14) in keys
+    # a reader starts from the newest snapshot; the state equals a full replay from version 0
+    loaded = await Manifest(store).load()
+    replayed = lakestream.State()
+    for v in range(loaded.version + 1):
+        replayed.apply(v, await store.get(log_key(v)))
+    assert loaded.to_json() == replayed.to_json()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def _gc_log(store, manifest: Manifest) -> int:
+    """What GC will do: snapshot the tail, point the hint at it, delete the log below it."""
+    await manifest.refresh()
+    v = manifest.state.version
+    await manifest.write_snapshot(manifest.state.to_json(), v)
+    await store.delete([log_key(i) for i in range(1, v)])
+    return v
+
+
+async def test_a_stalled_writer_cannot_resurrect_a_deleted_version() -> None:
+    """ABA: the writer's put of version v+1 lands after v+1 was written by others and deleted."""
+    store = MemoryStore()
+    await lakestream.create(store, world_size=W, global_batch=B)
+    clock = FakeClock()
+    stalled = Manifest(store, clock=clock, lease=10.0)
+    p = Producer(store, "zombie-free", manifest=stalled, clock=clock)
+    await p.__aenter__()
+    fired = False
+
+    async def stall(op: str, key: str) -> None:
+        nonlocal fired
+        if op == "put_if_absent" and key.startswith("_lakestream/log/") and not fired:
+            fired = True
+            # while this put is on its way: others commit, GC truncates the log, a lease passes
+            await produce(store, "other", 5 * B)
+            await _gc_log(store, Manifest(store))
+            clock.now += 100
+            assert key not in store.objects  # the version it targets is gone: a put would land
+
+    try:
+        p.store = p.manifest.store = FaultyStore(store, hook=stall)
+        for i in range(B):
+            await p.put({"txt": str(i)}, cursor=i + 1)
+        await p.close()
+    finally:
+        await p.aclose()
+    assert fired
+    state = await Manifest(store).load()
+    mine = [s for s in state.steps if s.producer == "zombie-free"]
+    assert len(mine) == 1 and state.producers["zombie-free"].cursor == B
+    assert len(state.steps) == 6 and not state.rejected
+
+
+async def test_a_long_stalled_writer_reloads_before_it_puts() -> None:
+    store = MemoryStore()
+    await lakestream.create(store, world_size=W, global_batch=B)
+    clock = FakeClock()
+    writer = Manifest(store, clock=clock, lease=10.0)
+    await writer.load()
+    await produce(store, "other", 3 * B)
+    top = await _gc_log(store, Manifest(store))
+    clock.now += 100
+    version = await writer.append(lambda s: {"kind": "register", "producer": "late", "epoch": 1, "token": "t"})
+    assert version == top + 1
+    assert (await Manifest(store).load()).producers["late"].epoch == 1
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+async def test_missing_stream(tmp_path) -> None:
+    with pytest.raises(StreamNotFound, match="no stream"):
+        async with lakestream.open_reader(tmp_path / "none", 0):
+            pass
+    with pytest.raises(StreamNotFound):
+        async with lakestream.open_producer(tmp_path / "none", "p"):
+            pass
+
+
+async def test_config_mismatch(store) -> None:
+    assert await lakestream.create(store, world_size=W, global_batch=B, snapshot_every=7) is False
+    with pytest.raises(ConfigMismatch, match="world_size: stream has 3, asked for 4"):
+        await lakestream.create(store, world_size=4, global_batch=B)
+    with pytest.raises(ConfigMismatch, match="world size 5"):
+        async with lakestream.open_reader(store, 0, world_size=5):
+            pass
+    with pytest.raises(ValueError, match="rank 3 is out of range"):
+        async with lakestream.open_reader(store, 3):
+            pass
+
+
+async def test_bad_samples_commit_nothing_and_keep_the_producer_usable(store) -> None:
+    async with lakestream.open_producer(store, "p") as p:
+        with pytest.raises(InvalidSample, match="cursor"):
+            await p.put({"txt": "x"}, cursor=object())
+        await p.put({"__key__": "dup", "txt": "x"})
+        with pytest.raises(InvalidSample, match="appears twice"):
+            await p.put({"__key__": "dup", "txt": "y"})
+        with pytest.raises(InvalidSample, match="'a/b'"):
+            await p.put({"a/b": b""})
+    state = await lakestream.load_state(store)
+    assert state.head == 0 and state.step(0).samples == 1
+    async with lakestream.open_producer(store, "c", cost=lambda s: float("nan")) as p:
+        with pytest.raises(InvalidSample, match="cost of sample"):
+            await p.put({"txt": "z"})
+
+
+async def test_balanced_producer_evens_out_cost(store) -> None:
+    async with lakestream.open_producer(store, "p", cost=lambda s: len(s["txt"])) as p:
+        for n in [100, 1, 100, 1, 100, 1]:
+            await p.put({"txt": "x" * n})
+    loads = [sum(len(s["txt"]) for s in (await read_all(store, r))[0].samples) for r in range(W)]
+    assert sorted(loads) == [101, 101, 101]
+
+
+async def test_corrupted_segment_names_stream_step_rank_and_object(store) -> None:
+    await produce(store, "p", B)
+    state = await lakestream.load_state(store)
+    seg = state.step(0).segment
+    data = bytearray(await store.get(seg))
+    r1 = state.step(0).ranks[1]
+    data[r1.offset + r1.length - 1] ^= 0xFF
+    await store.put(seg, bytes(data))
+    async with lakestream.open_reader(store, 0) as r:
+        assert len(await r.read_step(0)) == 2  # rank 0's slice is intact
+    async with lakestream.open_reader(store, 1) as r:
+        with pytest.raises(CorruptData) as e:
+            await r.read_step(0)
+    assert f"{store.url} step 0 rank 1 object {seg}" in str(e.value)
+    report = await lakestream.verify(store)
+    assert not report.ok and any("step 0 rank 1" in p and seg in p for p in report.problems)
+
+
+async def test_malformed_log_record_is_skipped_by_everyone(store) -> None:
+    await produce(store, "p", B)
+    v = (await lakestream.load_state(store)).version
+    await store.put(log_key(v + 1), b"{garbage")
+    await produce(store, "q", B)
+    state = await lakestream.load_state(store)
+    assert state.head == 1 and [x[0] for x in state.rejected] == [v + 1]
+    assert [len(b) for b in await read_all(store, 0)] == [2, 2]
+    report = await lakestream.verify(store)
+    assert not report.ok and f"log version {v + 1} is malformed" in report.problems[0]

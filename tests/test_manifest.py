@@ -1,0 +1,253 @@
+"""The manifest state machine: pure, deterministic, and every invalid record a no-op."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from lakestream import Config, State
+from lakestream._manifest import encode_record
+
+W = 2
+
+
+def create(**kw: int) -> bytes:
+    return encode_record({"kind": "create", "config": Config(world_size=W, global_batch=4, **kw).to_dict()})
+
+
+def register(pid: str, epoch: int, token: str = "t") -> bytes:
+    return encode_record({"kind": "register", "producer": pid, "epoch": epoch, "token": token})
+
+
+def commit(pid: str, epoch: int, seq: int, n: int = 1, cursor: object = None) -> bytes:
+    tgb = {"segment": f"segments/{pid}/x", "ranks": [[0, 10, 1, 2], [10, 10, 2, 2]], "cursor": cursor}
+    return encode_record({"kind": "commit", "producer": pid, "epoch": epoch, "seq": seq, "tgbs": [tgb] * n})
+
+
+def replay(records: list[bytes]) -> State:
+    s = State()
+    for v, r in enumerate(records):
+        s.apply(v, r)
+    return s
+
+
+def test_commit_assigns_gap_free_steps_and_advances_cursor() -> None:
+    s = replay([create(), register("a", 1), commit("a", 1, 0, 2, cursor=7), register("b", 1), commit("b", 1, 0)])
+    assert [x.step for x in s.steps] == [0, 1, 2]
+    assert [x.producer for x in s.steps] == ["a", "a", "b"]
+    assert s.producers["a"].seq == 1 and s.producers["a"].cursor == 7
+    assert s.head == 2 and not s.rejected
+
+
+def test_stale_epoch_and_wrong_seq_are_noops() -> None:
+    s = replay([create(), register("a", 1), commit("a", 1, 0), register("a", 2)])
+    assert s.apply(4, commit("a", 1, 1)) is not None  # fenced epoch
+    assert s.apply(5, commit("a", 2, 0)) is not None  # seq 0 already committed: a duplicate
+    assert s.apply(6, commit("a", 2, 2)) is not None  # a gap in seq
+    assert s.apply(7, commit("a", 2, 1)) is None
+    assert [x.seq for x in s.steps] == [0, 1]
+    assert [v for v, _ in s.rejected] == [4, 5, 6]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"not json",
+        b"[]",
+        b'{"kind": 3}',
+        b'{"kind": "nope"}',
+        b'{"kind": "commit", "producer": "a", "epoch": 1, "seq": 1, "tgbs": []}',
+        b'{"kind": "commit", "producer": "a", "epoch": 1, "seq": 1, "tgbs": [{"segment": "segments/x", "ranks": [[0,1,2,3]]}]}',
+        b'{"kind": "commit", "producer": "a", "epoch": 1, "seq": 1, "tgbs": [{"segment": "../x", "ranks": [[0,1,2,3],[1,1,1,1]]}]}',
+        b'{"kind": "register", "producer": "a/b", "epoch": 1, "token": "t"}',
+        b'{"kind": "create", "config": {"world_size": 2, "global_batch": 4}}',
+    ],
+)
+def test_malformed_records_are_noops_everywhere(data: bytes) -> None:
+    base = [create(), register("a", 1), commit("a", 1, 0)]
+    s1, s2 = replay(base), replay(base)
+    before = s1.to_json()
+    assert s1.apply(3, data) is not None
+    s2.apply(3, data)
+    assert s1.to_json() == s2.to_json()
+    after = orjson.loads(s1.to_json())
+    assert after["version"] == 3 and after["rejected"][0][0] == 3
+    assert after["steps"] == orjson.loads(before)["steps"]
+
+
+def test_version_zero_must_be_create() -> None:
+    s = State()
+    assert s.apply(0, register("a", 1)) is not None
+    assert s.config is None
+    assert s.apply(1, create()) is not None  # too late: the stream is invalid for good
+
+
+def test_apply_requires_the_next_version() -> None:
+    with pytest.raises(ValueError):
+        State().apply(1, create())
+
+
+# -- properties --------------------------------------------------------------------------------
+
+producers = st.sampled_from(["a", "b", "c"])
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("register"), producers),
+        st.tuples(st.just("commit"), producers, st.integers(1, 3)),
+        st.tuples(st.just("stale"), producers),
+        st.tuples(st.just("garbage"), st.binary(max_size=20)),
+    ),
+    max_size=40,
+)
+
+
+def build_log(ops_: list[tuple]) -> list[bytes]:
+    """A log as concurrent writers would produce it: each record valid at its position, plus noise."""
+    s = replay([create()])
+    log = [create()]
+    for op in ops_:
+        kind = op[0]
+        if kind == "register":
+            p = s.producers.get(op[1])
+            rec = register(op[1], (p.epoch if p else 0) + 1)
+        elif kind == "commit":
+            p = s.producers.get(op[1])
+            if p is None:
+                continue
+            rec = commit(op[1], p.epoch, p.seq + 1, op[2], cursor=p.seq + op[2])
+        elif kind == "stale":
+            p = s.producers.get(op[1])
+            rec = commit(op[1], (p.epoch - 1) if p else 1, (p.seq + 1) if p else 0)
+        else:
+            rec = op[1]
+        s.apply(len(log), rec)
+        log.append(rec)
+    return log
+
+
+@given(ops)
+def test_apply_is_deterministic(ops_: list[tuple]) -> None:
+    log = build_log(ops_)
+    assert replay(log).to_json() == replay(log).to_json()
+
+
+@given(ops, st.data())
+def test_snapshot_plus_replay_equals_full_replay(ops_: list[tuple], data: st.DataObject) -> None:
+    log = build_log(ops_)
+    cut = data.draw(st.integers(0, len(log) - 1))
+    snap = State.from_json(replay(log[: cut + 1]).to_json())
+    for v in range(cut + 1, len(log)):
+        snap.apply(v, log[v])
+    assert snap.to_json() == replay(log).to_json()
+
+
+@given(ops)
+def test_steps_gap_free_and_seqs_increase(ops_: list[tuple]) -> None:
+    s = replay(build_log(ops_))
+    assert [x.step for x in s.steps] == list(range(len(s.steps)))
+    for pid, p in s.producers.items():
+        seqs = [x.seq for x in s.steps if x.producer == pid]
+        assert seqs == list(range(len(seqs)))
+        assert p.seq == len(seqs) - 1
+
+
+@given(st.permutations(["a", "b", "c"]), st.integers(1, 3))
+def test_rebase_only_renumbers_steps(order: list[str], n: int) -> None:
+    """The same commit records in any order (as races decide) give the same TGBs, renumbered."""
+    head = [create(), register("a", 1), register("b", 1), register("c", 1)]
+    recs = {p: commit(p, 1, 0, n, cursor=p) for p in "abc"}
+    s = replay(head + [recs[p] for p in order])
+    assert not s.rejected
+    assert [x.producer for x in s.steps] == [p for p in order for _ in range(n)]
+    assert {p: s.producers[p].cursor for p in "abc"} == {p: p for p in "abc"}
+
+
+class ManifestMachine(RuleBasedStateMachine):
+    """Commit, fence, checkpoint, release, reclaim and rewind against a simple model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = replay([create(keep_checkpoints=2)])
+        self.model_steps: list[tuple[str, int]] = []  # (producer, seq) per step, from first_step
+        self.first = 0
+        self.epochs: dict[str, int] = {}
+        self.seqs: dict[str, int] = {}
+        self.ckpts: list[tuple[str, int]] = []
+        self.n = 0
+
+    def put(self, rec: dict) -> str | None:
+        return self.state.apply(self.state.version + 1, encode_record(rec))
+
+    @rule(p=producers)
+    def register(self, p: str) -> None:
+        e = self.epochs.get(p, 0) + 1
+        assert self.put({"kind": "register", "producer": p, "epoch": e, "token": "x"}) is None
+        self.epochs[p] = e
+
+    @rule(p=producers, n=st.integers(1, 3), stale=st.booleans())
+    def commit(self, p: str, n: int, stale: bool) -> None:
+        if p not in self.epochs:
+            return
+        seq = self.seqs.get(p, -1) + 1
+        epoch = self.epochs[p] - (1 if stale else 0)
+        why = self.state.apply(self.state.version + 1, commit(p, epoch, seq, n))
+        if stale:
+            assert why is not None
+            return
+        assert why is None
+        self.model_steps += [(p, seq + i) for i in range(n)]
+        self.seqs[p] = seq + n - 1
+
+    @precondition(lambda self: self.model_steps)
+    @rule(data=st.data())
+    def checkpoint(self, data: st.DataObject) -> None:
+        head = self.first + len(self.model_steps) - 1
+        lo = max(self.first, self.ckpts[-1][1] if self.ckpts else 0)
+        if lo > head:
+            return
+        step = data.draw(st.integers(lo, head))
+        self.n += 1
+        assert self.put({"kind": "checkpoint", "id": f"c{self.n}", "step": step}) is None
+        self.ckpts = (self.ckpts + [(f"c{self.n}", step)])[-2:]
+
+    @precondition(lambda self: self.ckpts)
+    @rule()
+    def release_oldest(self) -> None:
+        assert self.put({"kind": "release", "id": self.ckpts[0][0]}) is None
+        self.ckpts.pop(0)
+
+    @precondition(lambda self: self.ckpts and self.ckpts[0][1] > self.first)
+    @rule()
+    def reclaim(self) -> None:
+        below = self.ckpts[0][1]
+        assert self.put({"kind": "reclaim", "below": below}) is None
+        del self.model_steps[: below - self.first]
+        self.first = below
+
+    @rule(data=st.data())
+    def rewind(self, data: st.DataObject) -> None:
+        head = self.first + len(self.model_steps) - 1
+        to = data.draw(st.integers(self.first - 1, head))
+        assert self.put({"kind": "rewind", "to_step": to}) is None
+        del self.model_steps[to + 1 - self.first :]
+        self.ckpts = [c for c in self.ckpts if c[1] <= to]
+        for p in self.epochs:
+            self.epochs[p] += 1
+
+    @invariant()
+    def matches_model(self) -> None:
+        s = self.state
+        assert s.first_step == self.first
+        assert [(x.producer, x.seq) for x in s.steps] == self.model_steps
+        assert [x.step for x in s.steps] == list(range(self.first, self.first + len(self.model_steps)))
+        assert [(c.id, c.step) for c in s.checkpoints] == self.ckpts
+        assert s.watermark == (self.ckpts[0][1] if self.ckpts else -1)
+        assert {p: x.epoch for p, x in s.producers.items()} == self.epochs
+        assert State.from_json(s.to_json()).to_json() == s.to_json()
+
+
+TestManifestMachine = ManifestMachine.TestCase
+TestManifestMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
