@@ -47,7 +47,15 @@ class ObjectNotFound(StoreError, FileNotFoundError):
 
 
 class StoreUnavailable(StoreError, ConnectionError):
-    """The object store could not be reached, or kept failing after retries."""
+    """The object store could not be reached, or kept failing after retries.
+
+    `retried` is True when the store already retried the call as long as it was configured to,
+    so callers should not retry again.
+    """
+
+    def __init__(self, *args: object, retried: bool = False) -> None:
+        super().__init__(*args)
+        self.retried = retried
 
 
 class AccessDenied(StoreError, PermissionError):

@@ -228,9 +228,9 @@ class Manifest:
                 data = encode_record(record)
                 self.requests += 1
                 won = await self.store.put_if_absent(log_key(version), data)
-            except StoreUnavailable:
+            except StoreUnavailable as e:
                 failures += 1
-                if failures > self.retries:
+                if e.retried or failures > self.retries:
                     raise
                 await anyio.sleep(min(0.05 * 2**failures, 2.0) * (0.5 + self.rng.random()))
                 continue

@@ -26,14 +26,15 @@ async def retry(
 ) -> T:
     """`await call()`, again after StoreUnavailable with full-jitter exponential backoff.
 
-    Only for idempotent calls (a get, a put of a fresh unique key). Raises the last error.
+    Only for idempotent calls (a get, a put of a fresh unique key). Raises the last error, and at
+    once an error the store itself already retried.
     """
     rng = rng or random.Random()
     for attempt in range(attempts):
         try:
             return await call()
-        except StoreUnavailable:
-            if attempt == attempts - 1:
+        except StoreUnavailable as e:
+            if e.retried or attempt == attempts - 1:
                 raise
             await sleep(rng.uniform(0, min(cap, base * 2**attempt)))
     raise AssertionError("unreachable")

@@ -14,9 +14,11 @@ def s3_server() -> Iterator[S3Server]:
     `.new_bucket()` -> fresh `s3://BUCKET/PREFIX`, `.env()` -> AWS_* variables for subprocesses.
     Fails (never skips) without the `weed` binary: the S3 tests need the real server."""
     try:
-        weed = find_weed()
+        weed, missing = find_weed(), ""
     except WeedNotFound as e:
-        pytest.fail(str(e), pytrace=False)
+        weed, missing = "", str(e)
+    if missing:
+        pytest.fail(missing, pytrace=False)
     with S3Server(weed) as server:
         yield server
 

@@ -216,7 +216,14 @@ class S3Server:
         self.stop()
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 if __name__ == "__main__":
+    # Background jobs start with SIGINT ignored: stop (and clean up) on SIGTERM or SIGINT.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     with S3Server() as server:
         for k, v in server.env().items():
             print(f"export {k}={v}")

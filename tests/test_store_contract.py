@@ -172,7 +172,8 @@ print(" ".join(map(str, asyncio.run(main()))))
 def test_file_put_if_absent_multiprocess(tmp_path: Path) -> None:
     root, flags, procs, keys = tmp_path / "store", tmp_path / "flags", 6, 30
     flags.mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     running = [
         subprocess.Popen(
             [sys.executable, "-c", RACER, str(root), str(i), str(flags), str(keys)],
@@ -201,7 +202,7 @@ def test_file_put_if_absent_multiprocess(tmp_path: Path) -> None:
 
 
 async def test_file_list_never_shows_temp_files(tmp_path: Path) -> None:
-    store = FileStore(tmp_path / "store", durable=False)
+    store = FileStore(tmp_path / "store", durable=False)  # no aclose needed: nothing to release
     expected = {f"t/{i:02d}" for i in range(10)}
     stop = asyncio.Event()
     listings: list[list[str]] = []
@@ -281,7 +282,8 @@ async def test_s3_missing_bucket(s3_server: S3Server, s3_url: str) -> None:
             with pytest.raises(BucketNotFound) as info:
                 await call()
             assert isinstance(info.value, FileNotFoundError)
-            assert s3_server.endpoint_url in str(info.value) and "lakestream-no-such-bucket" in str(info.value)
+            assert s3_server.endpoint_url in str(info.value)
+            assert "lakestream-no-such-bucket" in str(info.value)
 
 
 @pytest.mark.s3

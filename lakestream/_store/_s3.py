@@ -169,7 +169,12 @@ class S3Store:
             async with self._lock:
                 if self._client is None:
                     session = aiobotocore.session.get_session()
-                    region = self._region or session.get_config_variable("region") or "us-east-1"
+                    region = (
+                        self._region
+                        or os.environ.get("AWS_REGION")  # botocore itself reads only AWS_DEFAULT_REGION
+                        or session.get_config_variable("region")
+                        or "us-east-1"
+                    )
                     creator = session.create_client(
                         "s3", region_name=region, config=self._config, **self._client_args
                     )
@@ -206,7 +211,8 @@ class S3Store:
             if _retryable(e):
                 return StoreUnavailable(
                     f"{self.url}: {op} kept failing in bucket {self.bucket!r} at {self.endpoint_url} "
-                    f"({attempts} attempts in {elapsed:.1f}s): {code or status}: {e}"
+                    f"({attempts} attempts in {elapsed:.1f}s): {code or status}: {e}",
+                    retried=True,
                 )
             return self._error(code, status, str(e.response.get("Error", {}).get("Message", e)), key, op)
         if isinstance(e, (NoCredentialsError, PartialCredentialsError)):
@@ -217,7 +223,8 @@ class S3Store:
         if isinstance(e, _TRANSIENT):
             return StoreUnavailable(
                 f"{self.url}: S3 endpoint {self.endpoint_url} unreachable for bucket {self.bucket!r} "
-                f"({attempts} attempts in {elapsed:.1f}s): {e}"
+                f"({attempts} attempts in {elapsed:.1f}s): {e}",
+                retried=True,
             )
         return StoreError(f"{self.url}: {op} failed in bucket {self.bucket!r} at {self.endpoint_url}: {e!r}")
 
