@@ -35,7 +35,8 @@ from ._errors import (
 from ._log import Manifest, create_stream
 from ._manifest import Config, State, Step
 from ._producer import Producer, ProducerStats
-from ._reader import RankBatch, Reader
+from ._reader import RankBatch, RawSlice, Reader
+from ._segment import FieldRef
 from ._store import ObjectStore, open_store
 from ._verify import VerifyReport, verify_state
 
@@ -47,6 +48,7 @@ __all__ = [
     "Config",
     "ConfigMismatch",
     "CorruptData",
+    "FieldRef",
     "InvalidSample",
     "LakestreamError",
     "ObjectNotFound",
@@ -55,6 +57,7 @@ __all__ = [
     "ProducerFenced",
     "ProducerStats",
     "RankBatch",
+    "RawSlice",
     "Reader",
     "State",
     "Step",
@@ -113,8 +116,10 @@ async def open_producer(target: Target, producer_id: str, **options: Any) -> Asy
 
 
 @asynccontextmanager
-async def open_reader(target: Target, rank: int, world_size: int | None = None, **options: Any) -> AsyncIterator[Reader]:
-    """A reader of `rank`'s slices. Raises StreamNotFound, ConfigMismatch (world size differs).
+async def open_reader(target: Target, rank: int | None, world_size: int | None = None, **options: Any) -> AsyncIterator[Reader]:
+    """A reader of `rank`'s slices (rank None: any rank, with `fetch_raw`).
+
+    Raises StreamNotFound, ConfigMismatch (world size differs), ValueError (rank out of range).
 
     Options: prefetch, max_prefetch_bytes, poll_interval, verify, raw (fields as stored bytes).
     """

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -62,6 +63,18 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="check every invariant and checksum")
     p.add_argument("url")
+
+    p = sub.add_parser("mount", help="show committed batches as read-only files (FUSE)")
+    p.add_argument("url")
+    p.add_argument("mountpoint")
+    p.add_argument("--ranks", default="all", help="all, R, A-B or R,R,... (default all)")
+    p.add_argument("--world-size", type=int, default=None, help="fail unless the stream has this world size")
+    p.add_argument("--prefetch", type=int, default=2, help="committed steps to fetch ahead per rank")
+    p.add_argument("--cache-size", type=int, default=1 << 30, help="slice cache bytes")
+    p.add_argument("--wait", type=float, default=60.0, help="seconds a lookup waits for a step to commit")
+
+    p = sub.add_parser("umount", help="unmount a lakestream mount")
+    p.add_argument("mountpoint")
 
     p = sub.add_parser("demo", help="run producers and rank readers on a local stream")
     p.add_argument("--dir", help="stream directory (default: a temporary one, removed afterwards)")
@@ -198,7 +211,29 @@ async def _demo(a: argparse.Namespace) -> int:
         return await run_demo(d, a)
 
 
+def _mount_module():  # type: ignore[no-untyped-def]
+    try:
+        import lakestream_mount
+    except ImportError as e:
+        raise OSError(f"the mount needs the 'mount' extra (pyfuse3) and fuse3: {e}") from e
+    return lakestream_mount
+
+
+def _mount(a: argparse.Namespace) -> int:
+    _mount_module().run_mount(
+        a.url, a.mountpoint, ranks=a.ranks, world_size=a.world_size, prefetch=a.prefetch,
+        cache_size=a.cache_size, wait=a.wait,
+    )  # fmt: skip
+    return 0
+
+
+def _umount(a: argparse.Namespace) -> int:
+    _mount_module().unmount(a.mountpoint)
+    return 0
+
+
 COMMANDS = {"init": _init, "produce": _produce, "read": _read, "status": _status, "verify": _verify, "demo": _demo}
+SYNC_COMMANDS = {"mount": _mount, "umount": _umount}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,10 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.WARNING - 10 * min(args.verbose, 2), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     try:
+        if args.command in SYNC_COMMANDS:
+            return SYNC_COMMANDS[args.command](args)
         return anyio.run(COMMANDS[args.command], args)
     except KeyboardInterrupt:
         return 130
-    except (LakestreamError, OSError, ValueError) as e:
+    except (LakestreamError, OSError, ValueError, subprocess.CalledProcessError) as e:
         print(f"lakestream {args.command}: error: {e}", file=sys.stderr)
         return 1
 

@@ -21,10 +21,10 @@ from ._errors import ConfigMismatch, StepUnavailable
 from ._log import Manifest
 from ._manifest import State, Step
 from ._retry import retry
-from ._segment import decode_slice
+from ._segment import FieldRef, check_slice, decode_slice, index_slice
 from ._store import ObjectStore
 
-__all__ = ["RankBatch", "Reader"]
+__all__ = ["RankBatch", "RawSlice", "Reader"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +42,20 @@ class RankBatch:
         return len(self.samples)
 
 
+@dataclass(frozen=True, slots=True)
+class RawSlice:
+    """One rank's slice of one step as stored (checked), with where each field's bytes are."""
+
+    entry: Step
+    rank: int
+    data: bytes
+    files: list[FieldRef]
+
+    @property
+    def step(self) -> int:
+        return self.entry.step
+
+
 @dataclass(slots=True)
 class _Fetch:
     nbytes: int
@@ -56,7 +70,7 @@ class Reader:
     def __init__(
         self,
         store: ObjectStore,
-        rank: int,
+        rank: int | None,
         world_size: int | None = None,
         *,
         prefetch: int = 4,
@@ -66,7 +80,7 @@ class Reader:
         raw: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if type(rank) is not int or rank < 0:
+        if rank is not None and (type(rank) is not int or rank < 0):
             raise ValueError(f"rank must be a non-negative integer, got {rank!r}")
         self.store = store
         self.rank = rank
@@ -97,7 +111,7 @@ class Reader:
         w = state.config.world_size
         if self.world_size is not None and self.world_size != w:
             raise ConfigMismatch(f"{self.url}: reader expects world size {self.world_size}, the stream has {w}")
-        if self.rank >= w:
+        if self.rank is not None and self.rank >= w:
             raise ValueError(f"{self.url}: rank {self.rank} is out of range for world size {w}")
         self.world_size = w
         self._tg = anyio.create_task_group()
@@ -208,12 +222,35 @@ class Reader:
 
     async def fetch_slice(self, entry: Step) -> RankBatch:
         """Fetch, check and decode this rank's slice of a committed step: one range GET."""
+        assert self.rank is not None, "a reader opened with rank=None reads with fetch_raw only"
+        data = await self._get_slice(entry, self.rank)
         r = entry.ranks[self.rank]
-        data = await retry(lambda: self.store.get_range(entry.segment, r.offset, r.length))
-        self.requests += 1
-        self.bytes_fetched += len(data)
-        where = f"{self.url} step {entry.step} rank {self.rank} object {entry.segment}"
+        where = self._where(entry, self.rank)
         samples = await anyio.to_thread.run_sync(
             lambda: decode_slice(data, r.crc32 if self.verify else None, where, raw=self.raw)
         )
         return RankBatch(entry.step, self.rank, samples, entry.version, entry.producer, r.length)
+
+    async def fetch_raw(self, entry: Step, rank: int) -> RawSlice:
+        """Any rank's slice of a committed step, checked and indexed but not decoded."""
+        if not 0 <= rank < len(entry.ranks):
+            raise ValueError(f"{self.url}: rank {rank} is out of range for world size {len(entry.ranks)}")
+        data = await self._get_slice(entry, rank)
+        where = self._where(entry, rank)
+
+        def check() -> list[FieldRef]:
+            if self.verify:
+                check_slice(data, entry.ranks[rank].crc32, where)
+            return index_slice(data, where)
+
+        return RawSlice(entry, rank, data, await anyio.to_thread.run_sync(check))
+
+    def _where(self, entry: Step, rank: int) -> str:
+        return f"{self.url} step {entry.step} rank {rank} object {entry.segment}"
+
+    async def _get_slice(self, entry: Step, rank: int) -> bytes:
+        r = entry.ranks[rank]
+        data = await retry(lambda: self.store.get_range(entry.segment, r.offset, r.length))
+        self.requests += 1
+        self.bytes_fetched += len(data)
+        return data
