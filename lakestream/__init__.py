@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from ._dac import BackoffPolicy, CommitPolicy, DacPolicy, EagerPolicy, IntervalPolicy
 from ._errors import (
     AccessDenied,
     BucketNotFound,
@@ -44,6 +45,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccessDenied",
+    "BackoffPolicy",
+    "CommitPolicy",
+    "DacPolicy",
+    "EagerPolicy",
+    "IntervalPolicy",
     "BucketNotFound",
     "Config",
     "ConfigMismatch",
@@ -109,7 +115,8 @@ async def open_producer(target: Target, producer_id: str, **options: Any) -> Asy
 
     Leaving the block normally commits everything put, including a final partial TGB; leaving it
     with an exception abandons what was not committed yet. `producer.cursor` is where to resume
-    the source. Options: cost, max_inflight_bytes, policy.
+    the source. Options: cost (a function of the sample: balance ranks by it), max_inflight_bytes,
+    policy (`"dac"` (default), `"eager"`, `"backoff"`, `"interval"` or a CommitPolicy instance).
     """
     async with _store_for(target) as store, Producer(store, producer_id, **options) as producer:
         yield producer

@@ -20,6 +20,7 @@ import orjson
 
 import lakestream
 
+from ._dac import DacPolicy
 from ._errors import LakestreamError
 from ._sources import dir_source, synthetic_source
 
@@ -49,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-size", type=int, default=64 << 10, help="synthetic sample bytes")
     p.add_argument("--work-ms", type=float, default=0.0, help="synthetic CPU work per sample")
     p.add_argument("--max-inflight-bytes", type=int, default=256 << 20)
+    p.add_argument("--commit-policy", choices=["dac", "eager", "backoff", "interval"], default="dac")
+    p.add_argument("--max-commit-delay", type=float, default=None, help="DAC latency ceiling, seconds")
+    p.add_argument("--rate", type=float, default=0.0, help="synthetic samples per second (0: as fast as possible)")
+    p.add_argument("--stats-json", action="store_true", help="print the producer's figures as one JSON line")
 
     p = sub.add_parser("read", help="write a rank's samples of committed steps to files")
     p.add_argument("url")
@@ -105,17 +110,38 @@ async def _iterate(it: Iterator[Any]) -> Any:
 
 async def _produce(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    async with lakestream.open_producer(a.url, a.producer_id, max_inflight_bytes=a.max_inflight_bytes) as p:
+    policy: Any = a.commit_policy
+    if a.max_commit_delay is not None:
+        if policy != "dac":
+            raise ValueError("--max-commit-delay applies to --commit-policy dac")
+        policy = DacPolicy(max_commit_delay=a.max_commit_delay)
+    async with (
+        lakestream.open_store(a.url) as store,
+        lakestream.open_producer(store, a.producer_id, max_inflight_bytes=a.max_inflight_bytes, policy=policy) as p,
+    ):
         start = p.cursor or 0
         if a.from_dir is not None:
             it = dir_source(a.from_dir, start)
         else:
             it = synthetic_source(a.synthetic, a.sample_size, start=start, prefix=f"{a.producer_id}-", work_ms=a.work_ms)
+        n = 0
         while (item := await _iterate(it)) is not None:
             sample, cursor = item
             await p.put(sample, cursor=cursor)
+            n += 1
+            if a.rate > 0 and (ahead := t0 + n / a.rate - time.perf_counter()) > 0:
+                await anyio.sleep(ahead)
     dt = time.perf_counter() - t0
     s = p.stats
+    if a.stats_json:
+        lat = sorted(s.ready_to_visible)
+        figures = {
+            "producer": a.producer_id, "epoch": p.epoch, "policy": p.policy_name, "seconds": dt,
+            "samples": s.samples, "tgbs": s.tgbs_committed, "commits": s.commits, "conflicts": s.conflicts,
+            "commit_attempts": s.commit_attempts, "bytes": s.bytes_uploaded,
+            "requests": getattr(store, "requests", None), "ready_to_visible": lat,
+        }  # fmt: skip
+        print(orjson.dumps(figures).decode())
     print(
         f"producer {a.producer_id} epoch {p.epoch}: resumed at {start}, {s.samples} samples, "
         f"{s.tgbs_committed} TGBs in {s.commits} commits, {s.bytes_uploaded / 1e6:.1f} MB in {dt:.2f} s"

@@ -117,6 +117,8 @@ class Manifest:
         self.wall = wall
         self.confirmed_at = -math.inf  # clock() when the tail was last confirmed
         self.requests = 0  # store requests made for the log (for cost accounting)
+        self.last_conflicts = 0
+        self._window = 1.0  # EWMA of versions found per refresh: where the next one starts probing
 
     @property
     def url(self) -> str:
@@ -171,8 +173,10 @@ class Manifest:
     async def refresh(self) -> int:
         """Apply every version written since the last call; the number applied.
 
-        Reads forward with a window that doubles while versions keep coming, so catching up on a
-        long log costs round trips in O(log) batches, and a caller at the tail pays one GET.
+        Reads forward in parallel windows that double while versions keep coming, so catching up
+        on a long log costs O(log) round trips. The first window is the number of versions usually
+        found (an EWMA), so a caller at the tail pays one GET and a producer among N others about
+        one round trip of N GETs.
         """
         applied = 0
         if self.clock() - self.confirmed_at > self.lease / 2:
@@ -181,7 +185,8 @@ class Manifest:
             if state is not None and state.version > self.state.version:
                 self.state = state
                 applied += 1
-        window = 1
+        window = max(1, min(MAX_WINDOW, round(self._window)))
+        found = 0
         while True:
             started = self.clock()
             base = self.state.version + 1
@@ -197,14 +202,22 @@ class Manifest:
             for i, data in enumerate(results):
                 if data is None:
                     self.confirmed_at = started
+                    self._window += 0.25 * (found + 1 - self._window)
                     return applied
                 self.state.apply(base + i, data)
                 applied += 1
+                found += 1
             window = min(window * 2, MAX_WINDOW)
 
     # -- writing -------------------------------------------------------------------------------
 
-    async def append(self, build: Callable[[State], dict[str, Any] | None]) -> int | None:
+    async def append(
+        self,
+        build: Callable[[State], dict[str, Any] | None],
+        *,
+        fresh: bool = False,
+        conflict_delay: Callable[[int], float] | None = None,
+    ) -> int | None:
         """Append `build(state)` at the next version, rebuilding it after every lost race.
 
         `build` sees the state the record will follow and returns the record, or None when
@@ -212,11 +225,16 @@ class Manifest:
         raise to abort (a fenced producer does). Returns the version written, or None.
         A put whose answer is lost (StoreUnavailable) is retried `retries` times with backoff;
         the retry reads the log first, so a put that did land is recognised, not repeated.
+        `fresh` reads the log to its tail before the first put ("listen before talk");
+        `conflict_delay(n)` is how long to wait after the n-th lost race. `last_conflicts` counts
+        the lost races of the latest call.
         """
         failures = 0
+        self.last_conflicts = 0
         while True:
             try:
-                if failures or self.clock() - self.confirmed_at > self.lease / 2:
+                if fresh or failures or self.clock() - self.confirmed_at > self.lease / 2:
+                    fresh = False
                     await self.refresh()
                 record = build(self.state)
                 if record is None:
@@ -235,6 +253,9 @@ class Manifest:
                 await anyio.sleep(min(0.05 * 2**failures, 2.0) * (0.5 + self.rng.random()))
                 continue
             if not won:
+                self.last_conflicts += 1
+                if conflict_delay is not None and (wait := conflict_delay(self.last_conflicts)) > 0:
+                    await anyio.sleep(wait)
                 await self.refresh()
                 continue
             if self.clock() - self.confirmed_at > self.lease / 2:

@@ -26,6 +26,7 @@ import anyio.to_thread
 import orjson
 
 from ._batching import assign_ranks
+from ._dac import AttemptOutcome, CommitPolicy, Observation, make_policy
 from ._errors import InvalidSample, ProducerFenced
 from ._log import Manifest
 from ._retry import retry
@@ -58,6 +59,7 @@ class ProducerStats:
     bytes_uploaded: int = 0
     commits: int = 0
     commit_attempts: int = 0
+    conflicts: int = 0
     ready_to_visible: list[float] = field(default_factory=list)
 
 
@@ -71,7 +73,7 @@ class Producer:
         *,
         cost: Callable[[Mapping[str, Any]], float] | None = None,
         max_inflight_bytes: int = 256 << 20,
-        policy: Any = None,
+        policy: str | CommitPolicy | None = None,
         manifest: Manifest | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -80,7 +82,7 @@ class Producer:
         self.manifest = manifest or Manifest(store, clock=clock)
         self._cost = cost
         self._max_inflight = max_inflight_bytes
-        self._policy = policy
+        self._policy = make_policy(policy)
         self._clock = clock
         self._token = uuid.uuid4().hex
         self.epoch = 0
@@ -96,6 +98,7 @@ class Producer:
         self._inflight = 0
         self._changed = anyio.Event()
         self._closing = False
+        self._flushing = 0
         self._error: BaseException | None = None
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -177,11 +180,19 @@ class Producer:
             await self._seal()
 
     async def flush(self) -> None:
-        """Wait until every full TGB put so far is committed (a partial one stays open)."""
+        """Wait until every full TGB put so far is committed (a partial one stays open).
+
+        The commit policy does not delay TGBs while someone flushes.
+        """
         target = self._next_seq - 1
-        while self._committed_seq < target:
-            self._check()
-            await self._wait_changed()
+        self._flushing += 1
+        self._notify()
+        try:
+            while self._committed_seq < target:
+                self._check()
+                await self._wait_changed()
+        finally:
+            self._flushing -= 1
         self._check()
 
     async def close(self) -> None:
@@ -192,6 +203,10 @@ class Producer:
         await self.flush()
         self._closing = True
         self._notify()
+
+    @property
+    def policy_name(self) -> str:
+        return self._policy.name
 
     @property
     def committed_seq(self) -> int:
@@ -254,12 +269,22 @@ class Producer:
                         return
                     await self._wait_changed()
                     continue
-                if self._policy is not None:
-                    await self._policy.wait(self, ready)
-                    ready = self._ready()
-                await self._commit(ready)
+                obs = Observation(len(ready), self._clock() - ready[0].sealed_at, self._active(), self._flushing > 0)
+                decision = self._policy.decide(obs)
+                deadline = self._clock() + decision.delay
+                while not self._flushing and (left := deadline - self._clock()) > 0:
+                    with anyio.move_on_after(left):
+                        await self._wait_changed()
+                ready = self._ready()[: self._policy.group_cap]  # and what became ready meanwhile
+                await self._commit(ready, fresh=decision.fresh)
         except Exception as e:
             self._fail(e)
+
+    def _active(self) -> int:
+        """Producers with a commit record in the policy's activity window, this one included."""
+        since = time.time() - self._policy.activity_window
+        others = sum(1 for pid, p in self.manifest.state.producers.items() if pid != self.id and p.last_ts >= since)
+        return 1 + others
 
     def _ready(self) -> list[_Tgb]:
         ready = []
@@ -285,8 +310,10 @@ class Producer:
         self._committed_seq = p.seq
         self.cursor = p.cursor
 
-    async def _commit(self, ready: list[_Tgb]) -> None:
+    async def _commit(self, ready: list[_Tgb], *, fresh: bool = False) -> None:
         group = {t.seq for t in ready}
+        started = self._clock()
+        before = self._committed_seq
 
         def build(state: State) -> dict[str, Any] | None:
             self.stats.commit_attempts += 1
@@ -303,8 +330,14 @@ class Producer:
                 "tgbs": [{"segment": t.segment, "ranks": t.ranks, "cursor": t.cursor} for t in tgbs],
             }
 
-        version = await self.manifest.append(build)
+        try:
+            version = await self.manifest.append(build, fresh=fresh, conflict_delay=self._policy.conflict_delay)
+        finally:
+            self.stats.conflicts += self.manifest.last_conflicts
         self._drop_committed(self.manifest.state)
+        self._policy.observe(
+            AttemptOutcome(self._clock() - started, self.manifest.last_conflicts, self._committed_seq - before)
+        )
         if version is not None:
             self.stats.commits += 1
             self._appended(version)

@@ -1,6 +1,13 @@
-"""A store wrapper that injects faults, for tests and benchmarks.
+"""A store wrapper that injects latency, throttling and faults, for tests and benchmarks.
 
-Faults are decided by an injectable `random.Random`, so a run is reproducible:
+Everything random is drawn from an injectable `random.Random`, so a run is reproducible:
+
+* `latency`: per operation (`get`, `get_range`, `put`, `put_if_absent`, `list`, `delete`), a
+  log-normal distribution given as (median seconds, sigma), plus `bandwidth` bytes per second for
+  the bytes moved. A put_if_absent takes effect half-way through its latency, so concurrent
+  writers race as they do against a real store;
+* `write_rate`: writes per second per prefix (the key up to its last '/') before the store answers
+  503 SlowDown (StoreUnavailable), as S3 does; a token bucket with one second of burst;
 
 * `ambiguous_put`: the probability that a put or put_if_absent lands and then raises
   StoreUnavailable as if the answer had been lost;
@@ -11,14 +18,28 @@ Faults are decided by an injectable `random.Random`, so a run is reproducible:
 
 from __future__ import annotations
 
+import math
 import random
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+
+import anyio
 
 from .._errors import StoreUnavailable
 from ._base import ObjectStore
 
-__all__ = ["FaultyStore"]
+__all__ = ["S3_LIKE", "FaultyStore"]
+
+# An S3-like profile: conditional PUT ~25 ms p50, GET ~10 ms p50, long tails.
+S3_LIKE: dict[str, tuple[float, float]] = {
+    "get": (0.010, 0.5),
+    "get_range": (0.010, 0.5),
+    "put": (0.025, 0.5),
+    "put_if_absent": (0.025, 0.5),
+    "list": (0.030, 0.5),
+    "delete": (0.020, 0.5),
+}
 
 
 class FaultyStore:
@@ -30,6 +51,9 @@ class FaultyStore:
         fail_before: float = 0.0,
         only: Callable[[str, str], bool] | None = None,
         hook: Callable[[str, str], Awaitable[None]] | None = None,
+        latency: dict[str, tuple[float, float]] | None = None,
+        bandwidth: float = math.inf,
+        write_rate: float = math.inf,
         rng: random.Random | None = None,
     ) -> None:
         self.inner = inner
@@ -39,14 +63,37 @@ class FaultyStore:
         self.only = only or (lambda op, key: True)
         self.hook = hook
         self.rng = rng or random.Random(0)
+        self.latency = latency or {}
+        self.bandwidth = bandwidth
+        self.write_rate = write_rate
         self.calls: Counter[str] = Counter()
         self.injected: Counter[str] = Counter()
+        self._buckets: dict[str, tuple[float, float]] = {}  # prefix -> (tokens, last refill)
+
+    def _delay(self, op: str, nbytes: int = 0) -> float:
+        median, sigma = self.latency.get(op, (0.0, 0.0))
+        d = median * math.exp(sigma * self.rng.gauss(0, 1)) if median else 0.0
+        return d + nbytes / self.bandwidth
+
+    def _throttle(self, op: str, key: str) -> None:
+        if self.write_rate == math.inf or op not in ("put", "put_if_absent", "delete"):
+            return
+        prefix = key.rpartition("/")[0]
+        now = time.monotonic()
+        tokens, last = self._buckets.get(prefix, (self.write_rate, now))
+        tokens = min(self.write_rate, tokens + (now - last) * self.write_rate)
+        if tokens < 1:
+            self._buckets[prefix] = (tokens, now)
+            self.injected[f"{op}:throttled"] += 1
+            raise StoreUnavailable(f"{self.url}: 503 SlowDown: over {self.write_rate:g} writes/s on {prefix!r}")
+        self._buckets[prefix] = (tokens - 1, now)
 
     async def _before(self, op: str, key: str) -> bool:
         """Run the hook; raise a clean failure; tell whether to make this call ambiguous."""
         self.calls[op] += 1
         if self.hook is not None:
             await self.hook(op, key)
+        self._throttle(op, key)
         if not self.only(op, key):
             return False
         if self.fail_before and self.rng.random() < self.fail_before:
@@ -60,33 +107,47 @@ class FaultyStore:
     def _lost(self, op: str, key: str) -> StoreUnavailable:
         return StoreUnavailable(f"{self.url}: injected lost answer of {op} {key!r} (it landed)")
 
+    async def _sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            await anyio.sleep(seconds)
+
     async def get(self, key: str) -> bytes:
         await self._before("get", key)
-        return await self.inner.get(key)
+        await self._sleep(self._delay("get"))
+        data = await self.inner.get(key)  # a miss costs a round trip too
+        await self._sleep(len(data) / self.bandwidth)
+        return data
 
     async def get_range(self, key: str, offset: int, length: int) -> bytes:
         await self._before("get_range", key)
+        await self._sleep(self._delay("get_range", length))
         return await self.inner.get_range(key, offset, length)
 
     async def put(self, key: str, data: bytes) -> None:
         ambiguous = await self._before("put", key)
+        await self._sleep(self._delay("put", len(data)))
         await self.inner.put(key, data)
         if ambiguous:
             raise self._lost("put", key)
 
     async def put_if_absent(self, key: str, data: bytes) -> bool:
         ambiguous = await self._before("put_if_absent", key)
+        d = self._delay("put_if_absent", len(data))
+        await self._sleep(d / 2)
         won = await self.inner.put_if_absent(key, data)
+        await self._sleep(d / 2)
         if ambiguous:
             raise self._lost("put_if_absent", key)
         return won
 
     async def list(self, prefix: str) -> list[str]:
         await self._before("list", prefix)
+        await self._sleep(self._delay("list"))
         return await self.inner.list(prefix)
 
     async def delete(self, keys: list[str]) -> None:
         await self._before("delete", ",".join(keys))
+        await self._sleep(self._delay("delete"))
         await self.inner.delete(keys)
 
     async def aclose(self) -> None:

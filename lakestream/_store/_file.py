@@ -26,6 +26,7 @@ class FileStore:
         self.root = Path(root).absolute()
         self.url = f"file://{self.root}"
         self.durable = durable
+        self.requests = 0  # calls made (for cost accounting, as S3 counts requests)
 
     def _path(self, key: str) -> Path:
         parts = key.split("/")
@@ -119,21 +120,27 @@ class FileStore:
     # -- the protocol ----------------------------------------------------------------------
 
     async def get(self, key: str) -> bytes:
+        self.requests += 1
         return await anyio.to_thread.run_sync(self._read, key, 0, None)
 
     async def get_range(self, key: str, offset: int, length: int) -> bytes:
+        self.requests += 1
         return await anyio.to_thread.run_sync(self._read, key, offset, length)
 
     async def put(self, key: str, data: bytes) -> None:
+        self.requests += 1
         await anyio.to_thread.run_sync(self._put, key, data)
 
     async def put_if_absent(self, key: str, data: bytes) -> bool:
+        self.requests += 1
         return await anyio.to_thread.run_sync(self._put_if_absent, key, data)
 
     async def list(self, prefix: str) -> list[str]:
+        self.requests += 1
         return await anyio.to_thread.run_sync(self._list, prefix)
 
     async def delete(self, keys: list[str]) -> None:
+        self.requests += 1
         await anyio.to_thread.run_sync(self._delete, list(keys))
 
     async def aclose(self) -> None:

@@ -115,6 +115,7 @@ class S3Store:
         self.bucket = bucket
         self.prefix = prefix
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+        self.requests = 0  # requests sent, retries included (for cost accounting)
         self._root = prefix + "/" if prefix else ""
         self._client_args: dict[str, Any] = {
             k: v
@@ -234,6 +235,7 @@ class S3Store:
         n = 0
         while True:
             n += 1
+            self.requests += 1
             try:
                 return await attempt(await self._get_client())
             except (ClientError, BotoCoreError) as e:
