@@ -217,4 +217,5 @@ def make_policy(policy: str | CommitPolicy | None, rng: random.Random | None = N
         cls = POLICIES[policy]
     except KeyError:
         raise ValueError(f"unknown commit policy {policy!r}: choose one of {', '.join(POLICIES)}") from None
-    return cls(rng=rng) if rng is not None and cls is not EagerPolicy else cls()  # type: ignore[call-arg]
+    takes_rng = cls in (DacPolicy, BackoffPolicy)
+    return cls(rng=rng) if rng is not None and takes_rng else cls()  # type: ignore[call-arg]
