@@ -33,6 +33,11 @@ from ._errors import (
     StoreUnavailable,
     StreamNotFound,
 )
+from ._lifecycle import GcReport
+from ._lifecycle import checkpoint as _checkpoint
+from ._lifecycle import gc as _gc
+from ._lifecycle import release as _release
+from ._lifecycle import rewind as _rewind
 from ._log import Manifest, create_stream
 from ._manifest import Config, State, Step
 from ._producer import Producer, ProducerStats
@@ -71,12 +76,17 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "StreamNotFound",
+    "GcReport",
     "VerifyReport",
+    "checkpoint",
     "create",
+    "gc",
     "load_state",
     "open_producer",
     "open_reader",
     "open_store",
+    "release",
+    "rewind",
     "verify",
 ]
 
@@ -139,3 +149,32 @@ async def verify(target: Target) -> VerifyReport:
     async with _store_for(target) as store:
         state = await Manifest(store).load()
         return await verify_state(store, state)
+
+
+async def checkpoint(target: Target, checkpoint_id: str, step: int) -> bool:
+    """Record that the trainer's checkpoint `checkpoint_id` at `step` is durable (rank 0 calls it
+    after saving). False if already recorded. The newest `keep_checkpoints` are retained; the
+    oldest retained one's step is the watermark. Raises ConfigMismatch (same id, other step),
+    StepUnavailable (step not committed or not retained), ValueError (older than the newest)."""
+    async with _store_for(target) as store:
+        return await _checkpoint(store, checkpoint_id, step)
+
+
+async def release(target: Target, checkpoint_id: str) -> bool:
+    """Drop a retained checkpoint; False if it was not retained."""
+    async with _store_for(target) as store:
+        return await _release(store, checkpoint_id)
+
+
+async def rewind(target: Target, *, to_checkpoint: str | None = None, to_step: int | None = None) -> State:
+    """Discard the steps after a retained checkpoint (or `to_step`) and fence every producer;
+    each producer's resume cursor becomes its cursor as of that step. Returns the new state."""
+    async with _store_for(target) as store:
+        return await _rewind(store, to_checkpoint=to_checkpoint, to_step=to_step)
+
+
+async def gc(target: Target, **options: Any) -> GcReport:
+    """Reclaim steps below the watermark, then delete unreferenced segments, old log versions and
+    snapshots. Options: dry_run, orphan_grace (seconds, default 3600), lease, progress."""
+    async with _store_for(target) as store:
+        return await _gc(store, **options)

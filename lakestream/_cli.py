@@ -66,6 +66,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("url")
     p.add_argument("--json", action="store_true")
 
+    p = sub.add_parser("checkpoint", help="record that the trainer's checkpoint at a step is durable")
+    p.add_argument("url")
+    p.add_argument("--id", required=True)
+    p.add_argument("--step", type=int, required=True)
+
+    p = sub.add_parser("release", help="drop a retained checkpoint")
+    p.add_argument("url")
+    p.add_argument("--id", required=True)
+
+    p = sub.add_parser("rewind", help="discard the steps after a checkpoint and fence every producer")
+    p.add_argument("url")
+    to = p.add_mutually_exclusive_group(required=True)
+    to.add_argument("--to-checkpoint", metavar="ID")
+    to.add_argument("--to-step", type=int, metavar="S")
+
+    p = sub.add_parser("gc", help="reclaim steps below the watermark, delete what nothing needs")
+    p.add_argument("url")
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--orphan-grace", type=float, default=3600.0, metavar="SECONDS")
+
     p = sub.add_parser("verify", help="check every invariant and checksum")
     p.add_argument("url")
 
@@ -182,6 +202,30 @@ async def _read(a: argparse.Namespace) -> int:
     return 0
 
 
+async def _checkpoint(a: argparse.Namespace) -> int:
+    done = await lakestream.checkpoint(a.url, a.id, a.step)
+    print(f"checkpoint {a.id} at step {a.step}: {'recorded' if done else 'already recorded'}")
+    return 0
+
+
+async def _release(a: argparse.Namespace) -> int:
+    done = await lakestream.release(a.url, a.id)
+    print(f"checkpoint {a.id}: {'released' if done else 'was not retained'}")
+    return 0
+
+
+async def _rewind(a: argparse.Namespace) -> int:
+    state = await lakestream.rewind(a.url, to_checkpoint=a.to_checkpoint, to_step=a.to_step)
+    print(f"rewound {a.url} to step {state.head}; every producer is fenced and resumes from its cursor there")
+    return 0
+
+
+async def _gc(a: argparse.Namespace) -> int:
+    report = await lakestream.gc(a.url, dry_run=a.dry_run, orphan_grace=a.orphan_grace)
+    print(report.summary())
+    return 0
+
+
 def status_dict(state: lakestream.State) -> dict[str, Any]:
     assert state.config is not None
     return {
@@ -258,7 +302,10 @@ def _umount(a: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"init": _init, "produce": _produce, "read": _read, "status": _status, "verify": _verify, "demo": _demo}
+COMMANDS = {
+    "init": _init, "produce": _produce, "read": _read, "status": _status, "verify": _verify, "demo": _demo,
+    "checkpoint": _checkpoint, "release": _release, "rewind": _rewind, "gc": _gc,
+}  # fmt: skip
 SYNC_COMMANDS = {"mount": _mount, "umount": _umount}
 
 

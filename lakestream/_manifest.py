@@ -146,11 +146,12 @@ class ProducerState:
     last_ts: float = 0.0  # timestamp of its last record
     commits: int = 0
     tgbs: int = 0
+    base_cursor: Any = None  # its cursor after its last reclaimed TGB (what a rewind falls back to)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch, "seq": self.seq, "cursor": self.cursor, "token": self.token,
-            "last_ts": self.last_ts, "commits": self.commits, "tgbs": self.tgbs,
+            "last_ts": self.last_ts, "commits": self.commits, "tgbs": self.tgbs, "base_cursor": self.base_cursor,
         }  # fmt: skip
 
 
@@ -342,6 +343,8 @@ class State:
             self.checkpoints = [c for c in self.checkpoints if c.id != r["id"]]
         elif kind == "reclaim":
             below = r["below"]
+            for s in self.steps[: below - self.first_step]:
+                self.producers[s.producer].base_cursor = s.cursor
             del self.steps[: below - self.first_step]
             self.first_step = below
         elif kind == "rewind":
@@ -357,7 +360,7 @@ class State:
                 s = last.get(pid)
                 p.epoch += 1
                 p.token = ""
-                p.cursor = s.cursor if s else None
+                p.cursor = s.cursor if s else p.base_cursor
                 # Sequence numbers keep rising so that discarded TGBs are never mistaken for new ones.
 
     def copy(self) -> State:

@@ -34,9 +34,25 @@ from ._manifest import State
 from ._segment import EncodedSample, encode_sample, encode_segment
 from ._store import ObjectStore
 
-__all__ = ["Producer", "ProducerStats"]
+__all__ = ["Producer", "ProducerStats", "parse_segment_key", "segment_key"]
 
 log = logging.getLogger("lakestream.producer")
+
+
+def segment_key(producer: str, epoch: int, seq: int, now: float) -> str:
+    """`segments/<producer>/<epoch>-<seq>-<uuid>.tgb`; the uuid starts with the time in ms (hex),
+    so that GC can tell an old orphan from an upload whose commit is still on its way."""
+    return f"segments/{producer}/{epoch}-{seq}-{int(now * 1000):012x}{uuid.uuid4().hex[:20]}.tgb"
+
+
+def parse_segment_key(key: str) -> tuple[str, int, int, float] | None:
+    """(producer, epoch, seq, upload time) of a segment key, or None if it is not one."""
+    try:
+        _, producer, name = key.split("/")
+        epoch, seq, rest = name.removesuffix(".tgb").split("-")
+        return producer, int(epoch), int(seq), int(rest[:12], 16) / 1000
+    except ValueError:
+        return None
 
 
 @dataclass(slots=True)
@@ -60,6 +76,7 @@ class ProducerStats:
     commits: int = 0
     commit_attempts: int = 0
     conflicts: int = 0
+    backpressure_waits: int = 0
     ready_to_visible: list[float] = field(default_factory=list)
 
 
@@ -251,7 +268,7 @@ class Producer:
             w = self.config.world_size
             ranks = assign_ranks(tgb.costs, len(tgb.samples), w)
             data, slices = await anyio.to_thread.run_sync(encode_segment, [[tgb.samples[i] for i in r] for r in ranks])
-            key = f"segments/{self.id}/{self.epoch}-{tgb.seq}-{uuid.uuid4().hex}.tgb"
+            key = segment_key(self.id, self.epoch, tgb.seq, time.time())
             await retry(lambda: self.store.put(key, data))
             tgb.segment, tgb.ranks, tgb.samples = key, slices, []
             tgb.uploaded = True
@@ -275,10 +292,29 @@ class Producer:
                 while not self._flushing and (left := deadline - self._clock()) > 0:
                     with anyio.move_on_after(left):
                         await self._wait_changed()
-                ready = self._ready()[: self._policy.group_cap]  # and what became ready meanwhile
+                room = await self._room()
+                ready = self._ready()[: min(room, self._policy.group_cap)]  # and what became ready meanwhile
                 await self._commit(ready, fresh=decision.fresh)
         except Exception as e:
             self._fail(e)
+
+    async def _room(self) -> int:
+        """How many steps may be committed now: wait while `head - watermark >= max_steps_ahead`
+        (the stream's back-pressure; with no checkpoint the base is the first readable step)."""
+        limit = self.config.max_steps_ahead
+        interval = 0.01
+        while limit:
+            s = self.manifest.state
+            base = s.watermark if s.checkpoints else s.first_step - 1
+            room = limit - (s.head - base)
+            if room > 0:
+                return room
+            self.stats.backpressure_waits += 1
+            await anyio.sleep(interval)
+            interval = min(interval * 2, 1.0)
+            await self.manifest.refresh()
+            self._drop_committed(self.manifest.state)
+        return 1 << 30
 
     def _active(self) -> int:
         """Producers with a commit record in the policy's activity window, this one included."""

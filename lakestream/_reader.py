@@ -93,7 +93,7 @@ class Reader:
         self.raw = raw
         self.bytes_fetched = 0
         self.requests = 0
-        self._fetches: dict[int, _Fetch] = {}
+        self._fetches: dict[tuple[int, int], _Fetch] = {}  # (step, version): a rewind reuses steps
         self._inflight_bytes = 0
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -170,7 +170,7 @@ class Reader:
         entry = await self.wait_for_step(step, timeout=timeout)
         fetch = self._start(entry)
         await fetch.done.wait()
-        self._fetches.pop(step, None)
+        self._fetches.pop((entry.step, entry.version), None)
         if fetch.error is not None:
             raise fetch.error
         assert fetch.result is not None
@@ -179,14 +179,23 @@ class Reader:
     async def steps(self, start: int = 0, stop: int | None = None) -> AsyncIterator[RankBatch]:
         """Every step from `start` up to `stop` (exclusive; None: forever), in order.
 
-        Waits for steps not committed yet. Raises StepUnavailable for a reclaimed step and
-        CorruptData for a slice that fails its checksum.
+        Waits for steps not committed yet. Raises StepUnavailable for a reclaimed step or when a
+        rewind discarded a step already yielded, and CorruptData for a slice that fails its checksum.
         """
         step = start
+        last: Step | None = None
+        rewinds = self.state.rewinds
         while stop is None or step < stop:
-            await self.wait_for_step(step)
+            entry = await self.wait_for_step(step)
+            if self.state.rewinds != rewinds and last is not None and self.state.step(last.step) != last:
+                raise StepUnavailable(
+                    f"{self.url}: step {last.step}, already read, was discarded by a rewind to step "
+                    f"{min(self.state.head, last.step - 1)}: restart reading from the restored checkpoint"
+                )
             self._prefetch_after(step, stop)
-            yield await self.read_step(step)
+            batch = await self.read_step(step)
+            last = entry
+            yield batch
             step += 1
 
     def _prefetch_after(self, step: int, stop: int | None) -> None:
@@ -197,16 +206,16 @@ class Reader:
             entry = self.state.step(n)
             if entry is None:
                 break
-            if n not in self._fetches and self._inflight_bytes + entry.ranks[self.rank].length > self.max_prefetch_bytes:
+            if (n, entry.version) not in self._fetches and self._inflight_bytes + entry.ranks[self.rank].length > self.max_prefetch_bytes:
                 break
             self._start(entry)
 
     def _start(self, entry: Step) -> _Fetch:
-        fetch = self._fetches.get(entry.step)
+        fetch = self._fetches.get((entry.step, entry.version))
         if fetch is None:
             if self._tg is None:
                 raise RuntimeError("reader is closed")
-            fetch = self._fetches[entry.step] = _Fetch(entry.ranks[self.rank].length)
+            fetch = self._fetches[(entry.step, entry.version)] = _Fetch(entry.ranks[self.rank].length)
             self._inflight_bytes += fetch.nbytes
             self._tg.start_soon(self._fetch, entry, fetch)
         return fetch

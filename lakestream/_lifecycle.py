@@ -1,0 +1,231 @@
+"""Checkpoint-aligned lifecycle: checkpoints, release, rewind, and garbage collection.
+
+Data lives until no retained checkpoint needs it. Rank 0 records a checkpoint (id, step) once the
+trainer's own checkpoint at that step is durable; the stream keeps the newest `keep_checkpoints`;
+the watermark is the oldest retained checkpoint's step. Every step from the watermark on stays
+readable, so the trainer can restore any retained checkpoint and replay exactly.
+
+GC, in this order, so that nothing readable is ever deleted:
+
+1. commit a `reclaim` record: steps below the watermark leave the manifest (readers asking for one
+   get StepUnavailable naming the step and the watermark);
+2. delete segments no retained step references, if they can never be committed: their producer's
+   committed `seq` is at least theirs (reclaimed, discarded by a rewind, or superseded), or their
+   epoch is fenced; other unreferenced segments (uploads whose commit may still be on its way) only
+   once they are older than `orphan_grace`;
+3. delete log versions and snapshots below a snapshot whose version was committed more than
+   `lease` ago (see `_log` for why this cannot resurrect a version), snapshots first, keeping
+   version 0 (the create record).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from ._errors import ConfigMismatch, StepUnavailable
+from ._log import HINT_KEY, LOG_PREFIX, SNAPSHOT_PREFIX, Manifest, _version_of, log_key
+from ._manifest import State, decode_record
+from ._producer import parse_segment_key
+from ._store import ObjectStore
+
+__all__ = ["GcReport", "checkpoint", "gc", "release", "rewind"]
+
+
+async def checkpoint(store: ObjectStore, checkpoint_id: str, step: int) -> bool:
+    """Record that the trainer's checkpoint `checkpoint_id` at `step` is durable.
+
+    True if recorded, False if it already was (same id and step). Raises ConfigMismatch for the same
+    id at another step, StepUnavailable for a step that is not committed or not retained, and
+    ValueError for a step older than the newest checkpoint.
+    """
+    m = Manifest(store)
+    await m.load()
+
+    def build(state: State) -> dict[str, Any] | None:
+        for c in state.checkpoints:
+            if c.id == checkpoint_id:
+                if c.step != step:
+                    raise ConfigMismatch(f"{store.url}: checkpoint {checkpoint_id!r} is at step {c.step}, not {step}")
+                return None
+        if not state.first_step <= step <= state.head:
+            raise StepUnavailable(
+                f"{store.url}: cannot checkpoint step {step}: readable steps are {state.first_step}..{state.head}"
+            )
+        if state.checkpoints and step < state.checkpoints[-1].step:
+            raise ValueError(
+                f"{store.url}: checkpoint step {step} is older than the newest checkpoint "
+                f"{state.checkpoints[-1].id!r} at step {state.checkpoints[-1].step}"
+            )
+        return {"kind": "checkpoint", "id": checkpoint_id, "step": step, "ts": time.time()}
+
+    return await m.append(build) is not None
+
+
+async def release(store: ObjectStore, checkpoint_id: str) -> bool:
+    """Drop a retained checkpoint; True if it was retained."""
+    m = Manifest(store)
+    await m.load()
+
+    def build(state: State) -> dict[str, Any] | None:
+        if not any(c.id == checkpoint_id for c in state.checkpoints):
+            return None
+        return {"kind": "release", "id": checkpoint_id, "ts": time.time()}
+
+    return await m.append(build) is not None
+
+
+async def rewind(store: ObjectStore, *, to_checkpoint: str | None = None, to_step: int | None = None) -> State:
+    """Discard every step after a checkpoint's step (or `to_step`) and fence every producer.
+
+    Each producer's resume cursor becomes its cursor as of that step, so producers started again
+    re-produce the source records after it into new steps. Returns the new state.
+    """
+    if (to_checkpoint is None) == (to_step is None):
+        raise ValueError("rewind needs exactly one of to_checkpoint and to_step")
+    m = Manifest(store)
+    await m.load()
+
+    def build(state: State) -> dict[str, Any] | None:
+        target = to_step
+        if to_checkpoint is not None:
+            found = [c for c in state.checkpoints if c.id == to_checkpoint]
+            if not found:
+                have = ", ".join(f"{c.id}@{c.step}" for c in state.checkpoints) or "none"
+                raise StepUnavailable(f"{store.url}: no retained checkpoint {to_checkpoint!r} (retained: {have})")
+            target = found[0].step
+        assert target is not None
+        if not state.first_step - 1 <= target <= state.head:
+            raise StepUnavailable(
+                f"{store.url}: cannot rewind to step {target}: readable steps are {state.first_step}..{state.head}"
+            )
+        return {"kind": "rewind", "to_step": target, "ts": time.time()}
+
+    await m.append(build)
+    return m.state
+
+
+@dataclass(slots=True)
+class GcReport:
+    url: str
+    dry_run: bool
+    reclaimed_below: int | None = None
+    segments_deleted: int = 0
+    segment_bytes_deleted: int = 0  # of the reclaimed steps
+    orphans_kept: int = 0
+    log_versions_deleted: int = 0
+    snapshots_deleted: int = 0
+    deleted: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        verb = "would delete" if self.dry_run else "deleted"
+        below = "nothing" if self.reclaimed_below is None else f"steps below {self.reclaimed_below}"
+        return (
+            f"gc {self.url}: reclaimed {below} ({self.segment_bytes_deleted / 1e6:.1f} MB); {verb} "
+            f"{self.segments_deleted} unreferenced segments ({self.orphans_kept} recent uploads kept), "
+            f"{self.log_versions_deleted} log versions, {self.snapshots_deleted} snapshots"
+        )
+
+
+class _Progress:
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        if self.enabled and total:
+            width = 30
+            fill = width * done // total
+            sys.stderr.write(f"\r{what:<18} [{'#' * fill}{'.' * (width - fill)}] {done}/{total}")
+            if done == total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+async def _delete(store: ObjectStore, keys: list[str], what: str, progress: Callable[[str, int, int], None]) -> None:
+    for i in range(0, len(keys), 1000):
+        await store.delete(keys[i : i + 1000])
+        progress(what, min(i + 1000, len(keys)), len(keys))
+
+
+async def gc(
+    store: ObjectStore,
+    *,
+    dry_run: bool = False,
+    orphan_grace: float = 3600.0,
+    lease: float = 600.0,
+    progress: bool | None = None,
+    now: Callable[[], float] = time.time,
+) -> GcReport:
+    """Reclaim steps below the watermark and delete what nothing can need any more."""
+    show = _Progress(sys.stderr.isatty() if progress is None else progress)
+    report = GcReport(store.url, dry_run)
+    m = Manifest(store, lease=lease)
+    state = await m.load()
+
+    # 1. the reclaim record comes first: after it, nothing below the watermark is readable
+    if state.watermark > state.first_step:
+        report.reclaimed_below = state.watermark
+        if not dry_run:
+            await m.append(
+                lambda st: {"kind": "reclaim", "below": st.watermark, "ts": now()}
+                if st.watermark > st.first_step
+                else None
+            )
+            state = m.state
+
+    # 2. segments: listed after the state was read, so a segment committed meanwhile is either in
+    # the state or younger than the grace period
+    first_step = report.reclaimed_below if dry_run and report.reclaimed_below is not None else state.first_step
+    referenced = {s.segment for s in state.steps if s.step >= first_step}
+    doomed: list[str] = []
+    t = now()
+    for key in await store.list("segments/"):
+        if key in referenced:
+            continue
+        parsed = parse_segment_key(key)
+        if parsed is None:
+            continue
+        producer, epoch, seq, uploaded = parsed
+        p = state.producers.get(producer)
+        dead = p is not None and (seq <= p.seq or epoch < p.epoch)  # can never be committed now
+        if not dead and t - uploaded < orphan_grace:
+            report.orphans_kept += 1
+            continue
+        doomed.append(key)
+    report.segments_deleted = len(doomed)
+    report.segment_bytes_deleted = sum(s.nbytes for s in state.steps if s.step < first_step)
+    report.deleted = doomed
+    if not dry_run:
+        await _delete(store, doomed, "segments", show)
+
+    # 3. log versions and snapshots below a snapshot committed more than `lease` ago
+    snapshots = sorted(v for k in await store.list(SNAPSHOT_PREFIX) if (v := _version_of(k)) is not None)
+    if not snapshots or snapshots[-1] < m.state.version - m.state.config.snapshot_every // 2:  # type: ignore[union-attr]
+        if not dry_run:
+            await m.write_snapshot(m.state.copy().to_json(), m.state.version)
+            snapshots.append(m.state.version)
+    horizon = None
+    for v in reversed(snapshots):
+        try:
+            ts = decode_record(await store.get(log_key(v))).get("ts", t)
+        except (ValueError, FileNotFoundError):
+            continue
+        if isinstance(ts, (int, float)) and t - ts > lease:
+            horizon = v
+            break
+    if horizon is not None:
+        old_snaps = [f"{SNAPSHOT_PREFIX}{v:020d}.json" for v in snapshots if v < horizon]
+        logs = sorted(
+            (v for k in await store.list(LOG_PREFIX) if (v := _version_of(k)) is not None and 0 < v < horizon)
+        )
+        report.snapshots_deleted, report.log_versions_deleted = len(old_snaps), len(logs)
+        if not dry_run:
+            await _delete(store, old_snaps, "snapshots", show)
+            await store.put(HINT_KEY, orjson.dumps({"version": snapshots[-1]}))
+            await _delete(store, [log_key(v) for v in logs], "log versions", show)
+    return report

@@ -1,0 +1,177 @@
+"""Checkpoints, retention, GC, back-pressure and rewind."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+
+import lakestream
+from lakestream import ConfigMismatch, ProducerFenced, StepUnavailable
+from lakestream._log import LOG_PREFIX, SNAPSHOT_PREFIX, Manifest, log_key
+from lakestream._producer import segment_key
+from lakestream._store import FileStore, MemoryStore
+
+B = 4
+
+
+@pytest.fixture(params=["memory", "file"])
+async def store(request: pytest.FixtureRequest, tmp_path):
+    s = MemoryStore() if request.param == "memory" else FileStore(tmp_path / "stream", durable=False)
+    await lakestream.create(s, world_size=2, global_batch=B, keep_checkpoints=2, snapshot_every=5)
+    yield s
+
+
+async def produce(store, pid: str, n: int, **kw) -> lakestream.Producer:
+    """Put records 0..n-1 of a deterministic source, resuming at the committed cursor."""
+    async with lakestream.open_producer(store, pid, **kw) as p:
+        for i in range(p.cursor or 0, n):
+            await p.put({"__key__": f"{pid}-{i}", "txt": f"{pid}:{i}"}, cursor=i + 1)
+            if (i + 1) % B == 0:
+                await p.flush()
+    return p
+
+
+async def keys_by_step(store) -> dict[int, list[str]]:
+    state = await lakestream.load_state(store)
+    out: dict[int, list[str]] = {}
+    async with lakestream.open_reader(store, None) as r:
+        for s in state.steps:
+            out[s.step] = [f.key for rank in range(2) for f in (await r.fetch_raw(s, rank)).files if f.field == "txt"]
+    return out
+
+
+async def test_checkpoints_retention_and_watermark(store) -> None:
+    await produce(store, "p", 10 * B)
+    assert (await lakestream.load_state(store)).watermark == -1
+    assert await lakestream.checkpoint(store, "c1", 2)
+    assert not await lakestream.checkpoint(store, "c1", 2)  # same id and step: no-op
+    with pytest.raises(ConfigMismatch, match="'c1' is at step 2, not 3"):
+        await lakestream.checkpoint(store, "c1", 3)
+    with pytest.raises(StepUnavailable, match="readable steps are 0..9"):
+        await lakestream.checkpoint(store, "c9", 10)
+    await lakestream.checkpoint(store, "c2", 5)
+    await lakestream.checkpoint(store, "c3", 7)  # keep 2: c1 drops out
+    with pytest.raises(ValueError, match="older than the newest"):
+        await lakestream.checkpoint(store, "c0", 6)
+    state = await lakestream.load_state(store)
+    assert [(c.id, c.step) for c in state.checkpoints] == [("c2", 5), ("c3", 7)]
+    assert state.watermark == 5
+    assert await lakestream.release(store, "c2") and not await lakestream.release(store, "c2")
+    assert (await lakestream.load_state(store)).watermark == 7
+
+
+async def test_gc_reclaims_below_the_watermark_only(store) -> None:
+    await produce(store, "p", 10 * B)
+    report = await lakestream.gc(store)
+    assert report.reclaimed_below is None and report.segments_deleted == 0  # no checkpoint: keep all
+    await lakestream.checkpoint(store, "c", 6)
+    dry = await lakestream.gc(store, dry_run=True)
+    assert dry.reclaimed_below == 6 and dry.segments_deleted == 6
+    assert len(await store.list("segments/")) == 10
+    report = await lakestream.gc(store)
+    assert report.reclaimed_below == 6 and report.segments_deleted == 6 and "steps below 6" in report.summary()
+    state = await lakestream.load_state(store)
+    assert state.first_step == 6 and state.head == 9
+    assert sorted(await store.list("segments/")) == sorted(s.segment for s in state.steps)
+    async with lakestream.open_reader(store, 0) as r:
+        with pytest.raises(StepUnavailable, match="step 5 was reclaimed .*watermark 6"):
+            await r.read_step(5)
+        assert [b.step async for b in r.steps(6, 10)] == [6, 7, 8, 9]
+    assert (await lakestream.verify(store)).ok
+
+
+async def test_gc_deletes_orphans_by_rule(store) -> None:
+    await produce(store, "p", 2 * B)
+    state = await lakestream.load_state(store)
+    epoch, seq = state.producers["p"].epoch, state.producers["p"].seq
+    now = time.time()
+    fenced = segment_key("p", epoch - 1 if epoch > 1 else 0, seq + 1, now)
+    superseded = segment_key("p", epoch, seq, now)
+    in_flight = segment_key("p", epoch, seq + 1, now)
+    stale = segment_key("p", epoch, seq + 2, now - 7200)
+    for key in (fenced, superseded, in_flight, stale):
+        await store.put(key, b"x")
+    report = await lakestream.gc(store)
+    left = set(await store.list("segments/"))
+    assert in_flight in left and {fenced, superseded, stale}.isdisjoint(left)
+    assert report.orphans_kept == 1 and report.segments_deleted == 3
+    assert (await lakestream.verify(store)).ok
+
+
+async def test_gc_truncates_the_log_and_readers_still_load(store) -> None:
+    await produce(store, "p", 12 * B)
+    before = (await lakestream.load_state(store)).to_json()
+    await lakestream.gc(store, lease=3600)  # nothing is old enough: the log stays whole
+    assert log_key(1) in await store.list(LOG_PREFIX)
+    report = await lakestream.gc(store, lease=0.0)
+    assert report.log_versions_deleted > 0
+    logs = await store.list(LOG_PREFIX)
+    assert log_key(0) in logs and log_key(1) not in logs
+    assert len(await store.list(SNAPSHOT_PREFIX)) >= 1
+    assert (await Manifest(store).load()).to_json() == before
+    await produce(store, "p", 14 * B)  # and writers carry on after it
+    assert (await lakestream.load_state(store)).head == 13
+
+
+async def test_back_pressure_holds_producers_until_a_checkpoint(tmp_path) -> None:
+    store = MemoryStore()
+    await lakestream.create(store, world_size=1, global_batch=1, max_steps_ahead=3, keep_checkpoints=1)
+
+    async def head_settles_at(n: int) -> None:
+        with anyio.fail_after(10):
+            while (await lakestream.load_state(store)).head < n:
+                await anyio.sleep(0.01)
+        await anyio.sleep(0.3)
+        assert (await lakestream.load_state(store)).head == n
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(produce, store, "p", 10)
+        await head_settles_at(2)  # no checkpoint: 3 steps (0..2) ahead of nothing
+        await lakestream.checkpoint(store, "c", 2)
+        await head_settles_at(5)  # head - watermark < 3
+        await lakestream.checkpoint(store, "c2", 5)
+        await head_settles_at(8)
+        await lakestream.checkpoint(store, "c3", 8)
+    assert (await lakestream.load_state(store)).head == 9
+
+
+async def test_rewind_replays_exactly_once_into_the_new_history(store) -> None:
+    await produce(store, "a", 6 * B)
+    await produce(store, "b", 6 * B)
+    await lakestream.checkpoint(store, "c", 5)
+    before = await keys_by_step(store)
+    old = lakestream.Producer(store, "a")
+    await old.__aenter__()
+    try:
+        state = await lakestream.rewind(store, to_checkpoint="c")
+        assert state.head == 5 and state.rewinds == 1
+        # steps 0..5 are a's; b's steps 6..11 are gone, and b resumes from the start
+        assert state.producers["b"].cursor is None and state.producers["a"].cursor == 6 * B
+        with pytest.raises(ProducerFenced):
+            await old.put({"txt": "zombie"}, cursor=1)
+            await old.close()
+    finally:
+        await old.aclose()
+    await produce(store, "b", 6 * B)
+    after = await keys_by_step(store)
+    assert [after[s] for s in range(6)] == [before[s] for s in range(6)]
+    b_keys = [k for s in range(6, 12) for k in after[s]]
+    assert sorted(b_keys) == sorted(f"b-{i}" for i in range(6 * B))
+    assert (await lakestream.verify(store)).ok
+
+
+async def test_a_reader_past_a_rewind_is_told(store) -> None:
+    await produce(store, "a", 4 * B)
+    async with lakestream.open_reader(store, 0, poll_interval=(0.001, 0.01)) as r:
+        it = r.steps(0)
+        assert [(await it.__anext__()).step for _ in range(3)] == [0, 1, 2]
+        await lakestream.rewind(store, to_step=1)
+        await produce(store, "a", 6 * B)
+        # the reader learns of the rewind when it next reads the log: at the latest when it runs
+        # out of the steps it already knew of (here step 3)
+        with pytest.raises(StepUnavailable, match="already read, was discarded by a rewind"):
+            for _ in range(2):
+                await it.__anext__()
+        await it.aclose()
