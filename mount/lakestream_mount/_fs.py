@@ -78,6 +78,13 @@ def decode_inode(inode: int) -> tuple[str, int, int, int]:
     return ("root" if inode == ROOT else "status" if inode == STATUS else "?"), 0, 0, 0
 
 
+def _invalidate_inode(inode: int) -> None:
+    try:
+        pyfuse3.invalidate_inode(inode)
+    except OSError:  # the kernel does not have it: nothing to forget
+        pass
+
+
 def _handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     """Log every exception of a handler and map it to an errno, in one place."""
 
@@ -113,19 +120,19 @@ class _Pending:
 class SliceCache:
     """A bounded LRU of rank slices; concurrent gets of one slice share one fetch."""
 
-    def __init__(self, fetch: Callable[[int, int], Awaitable[lakestream.RawSlice]], capacity: int) -> None:
+    def __init__(self, fetch: Callable[[int, int, int], Awaitable[lakestream.RawSlice]], capacity: int) -> None:
         self._fetch = fetch
         self.capacity = capacity
         self.nbytes = 0
         self.fetches = 0
-        self._slices: OrderedDict[tuple[int, int], lakestream.RawSlice] = OrderedDict()
-        self._pending: dict[tuple[int, int], _Pending] = {}
+        self._slices: OrderedDict[tuple[int, int, int], lakestream.RawSlice] = OrderedDict()
+        self._pending: dict[tuple[int, int, int], _Pending] = {}
 
-    def __contains__(self, key: tuple[int, int]) -> bool:
+    def __contains__(self, key: tuple[int, int, int]) -> bool:
         return key in self._slices or key in self._pending
 
-    async def get(self, rank: int, step: int) -> lakestream.RawSlice:
-        key = (rank, step)
+    async def get(self, rank: int, step: int, version: int) -> lakestream.RawSlice:
+        key = (rank, step, version)  # a rewind gives a step a new TGB at a new version
         hit = self._slices.get(key)
         if hit is not None:
             self._slices.move_to_end(key)
@@ -135,7 +142,7 @@ class SliceCache:
             pending = self._pending[key] = _Pending()
             try:
                 self.fetches += 1
-                pending.result = await self._fetch(rank, step)
+                pending.result = await self._fetch(rank, step, version)
                 self._insert(key, pending.result)
             except BaseException as e:
                 pending.error = e
@@ -150,14 +157,14 @@ class SliceCache:
         assert pending.result is not None
         return pending.result
 
-    def _insert(self, key: tuple[int, int], value: lakestream.RawSlice) -> None:
+    def _insert(self, key: tuple[int, int, int], value: lakestream.RawSlice) -> None:
         self._slices[key] = value
         self.nbytes += len(value.data)
         while self.nbytes > self.capacity and len(self._slices) > 1:
             _, old = self._slices.popitem(last=False)
             self.nbytes -= len(old.data)
 
-    def drop(self, keep: Callable[[int, int], bool]) -> None:
+    def drop(self, keep: Callable[[int, int, int], bool]) -> None:
         for key in [k for k in self._slices if not keep(*k)]:
             self.nbytes -= len(self._slices.pop(key).data)
 
@@ -190,6 +197,8 @@ class LakeFS(pyfuse3.Operations):
         self._status: dict[int, bytes] = {}
         self._next_fh = 1
         self._cursor = {r: reader.state.head for r in ranks}  # prefetch window start per rank
+        self._seen: dict[tuple[int, int], tuple[int, int]] = {}  # (rank, step) -> (version, files) served
+        self._rewinds = reader.state.rewinds
         self._tg: anyio.abc.TaskGroup | None = None
 
     @property
@@ -213,10 +222,12 @@ class LakeFS(pyfuse3.Operations):
                     changed = None
                 if changed:
                     interval = self.poll_min
+                    if self.state.rewinds != self._rewinds:
+                        await self._forget_discarded()
                     self._changed.set()
                     self._changed = anyio.Event()
                     self._prefetch()
-                    self.cache.drop(lambda r, s: s >= self.state.first_step and s <= self.state.head)
+                    self.cache.drop(lambda r, s, v: (e := self.state.step(s)) is not None and e.version == v)
                 else:
                     interval = min(interval * 2, self.poll_max)
                 with anyio.move_on_after(interval):
@@ -225,32 +236,56 @@ class LakeFS(pyfuse3.Operations):
                 if self._poke.is_set():
                     self._poke = anyio.Event()
 
+    async def _forget_discarded(self) -> None:
+        """After a rewind, make the kernel forget every entry, attribute and page of the steps it
+        discarded: their numbers (and so their inodes) will name other TGBs."""
+        self._rewinds = self.state.rewinds
+        for (r, step), (version, nfiles) in list(self._seen.items()):
+            entry = self.state.step(step)
+            if entry is not None and entry.version == version:
+                continue
+            del self._seen[(r, step)]
+            self._cursor[r] = min(self._cursor[r], self.state.head)
+            try:
+                pyfuse3.invalidate_entry_async(RANK_BASE + r, b"%012d" % step, ignore_enoent=True)
+            except OSError as e:  # pragma: no cover - depends on the kernel's cache
+                log.debug("invalidate entry rank %d step %d: %s", r, step, e)
+            for ino in [step_inode(r, step)] + [file_inode(r, step, i) for i in [*range(nfiles), META_INDEX]]:
+                await anyio.to_thread.run_sync(_invalidate_inode, ino)
+        log.warning("rewind to step %d: discarded steps forgotten", self.state.head)
+
     def _prefetch(self) -> None:
         if self._tg is None:
             return
         s = self.state
         for r in self.ranks:
             for step in range(max(self._cursor[r] + 1, s.first_step), min(s.head, self._cursor[r] + self.prefetch) + 1):
-                if (r, step) not in self.cache:
+                entry = s.step(step)
+                if entry is not None and (r, step, entry.version) not in self.cache:
                     self._tg.start_soon(self._prefetch_one, r, step)
 
     async def _prefetch_one(self, rank: int, step: int) -> None:
         try:
-            await self.cache.get(rank, step)
+            await self._slice(rank, step, move=False)
         except Exception as e:  # the read that needs it will fetch again and report
             log.warning("prefetch of rank %d step %d failed: %s", rank, step, e)
 
-    async def _fetch(self, rank: int, step: int) -> lakestream.RawSlice:
+    async def _fetch(self, rank: int, step: int, version: int) -> lakestream.RawSlice:
         entry = self.state.step(step)
-        if entry is None:
-            raise lakestream.StepUnavailable(f"{self.reader.url}: step {step} is not retained")
+        if entry is None or entry.version != version:
+            raise lakestream.StepUnavailable(f"{self.reader.url}: step {step} is no longer retained")
         return await self.reader.fetch_raw(entry, rank)
 
-    async def _slice(self, rank: int, step: int) -> lakestream.RawSlice:
-        if step > self._cursor[rank]:
+    async def _slice(self, rank: int, step: int, *, move: bool = True) -> lakestream.RawSlice:
+        entry = self.state.step(step)
+        if entry is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        if move and step > self._cursor[rank]:
             self._cursor[rank] = step
             self._prefetch()
-        return await self.cache.get(rank, step)
+        sl = await self.cache.get(rank, step, entry.version)
+        self._seen[(rank, step)] = (entry.version, len(sl.files))
+        return sl
 
     async def _wait_for(self, step: int) -> bool:
         """True once `step` is committed; False if it is not retained or `wait` ran out."""
@@ -311,6 +346,7 @@ class LakeFS(pyfuse3.Operations):
                 "epoch": e.epoch, "seq": e.seq, "segment": e.segment, "samples": e.ranks[sl.rank].samples,
                 "keys": list(dict.fromkeys(f.key for f in sl.files)),
                 "files": {f"{f.key}.{f.field}": f.length for f in sl.files},
+                "types": {f"{f.key}.{f.field}": f.tag for f in sl.files},
             },
             option=orjson.OPT_INDENT_2,
         )  # fmt: skip
