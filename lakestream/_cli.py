@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         return anyio.run(COMMANDS[args.command], args)
     except KeyboardInterrupt:
         return 130
-    except (LakestreamError, OSError, ValueError, subprocess.CalledProcessError) as e:
+    except (LakestreamError, OSError, ValueError, ImportError, subprocess.CalledProcessError) as e:
         print(f"lakestream {args.command}: error: {e}", file=sys.stderr)
         return 1
 
