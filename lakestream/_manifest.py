@@ -261,7 +261,7 @@ class State:
             _need(isinstance(pid, str) and bool(_PRODUCER_ID.match(pid)), f"register: bad producer id {pid!r}")
             prev = self.producers.get(pid)
             want = (prev.epoch if prev else 0) + 1
-            _need(r.get("epoch") == want, f"register {pid}: epoch {r.get('epoch')!r} is not {want}")
+            _need(_int(r.get("epoch")) and r["epoch"] == want, f"register {pid}: epoch {r.get('epoch')!r} is not {want}")
             _need(isinstance(r.get("token"), str), f"register {pid}: token must be a string")
         elif kind == "commit":
             self._validate_commit(r)
@@ -294,8 +294,9 @@ class State:
         p = self.producers.get(pid) if isinstance(pid, str) else None
         _need(p is not None, f"commit: producer {pid!r} is not registered")
         assert p is not None
-        _need(r.get("epoch") == p.epoch, f"commit {pid}: epoch {r.get('epoch')!r} is fenced by {p.epoch}")
-        _need(r.get("seq") == p.seq + 1, f"commit {pid}: seq {r.get('seq')!r} is not the next ({p.seq + 1})")
+        epoch, seq = r.get("epoch"), r.get("seq")
+        _need(_int(epoch) and epoch == p.epoch, f"commit {pid}: epoch {epoch!r} is fenced by {p.epoch}")
+        _need(_int(seq) and seq == p.seq + 1, f"commit {pid}: seq {seq!r} is not the next ({p.seq + 1})")
         tgbs = r.get("tgbs")
         _need(isinstance(tgbs, list) and len(tgbs) > 0, f"commit {pid}: tgbs must be a non-empty list")
         assert self.config is not None

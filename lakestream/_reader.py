@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from ._errors import ConfigMismatch, StepUnavailable
+from ._errors import ConfigMismatch, CorruptData, ObjectNotFound, StepUnavailable
 from ._log import Manifest
 from ._manifest import State, Step
 from ._retry import retry
@@ -259,7 +259,13 @@ class Reader:
 
     async def _get_slice(self, entry: Step, rank: int) -> bytes:
         r = entry.ranks[rank]
-        data = await retry(lambda: self.store.get_range(entry.segment, r.offset, r.length))
+        try:
+            data = await retry(lambda: self.store.get_range(entry.segment, r.offset, r.length))
+        except ObjectNotFound:
+            await self.manifest.refresh()  # reclaimed since we looked?
+            if self.state.first_step > entry.step:
+                raise StepUnavailable(f"{self.url}: step {entry.step} was reclaimed while being read") from None
+            raise CorruptData(f"{self._where(entry, rank)}: the segment of a committed step is missing") from None
         self.requests += 1
         self.bytes_fetched += len(data)
         return data

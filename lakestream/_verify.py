@@ -38,7 +38,7 @@ async def _check_step(store: ObjectStore, url: str, s: Step, world: int, report:
     try:
         data = await store.get(s.segment)
     except ObjectNotFound:
-        report.problems.append(f"{where}: segment object {s.segment} is missing")
+        report.problems.append(f"{where} ranks 0..{world - 1} object {s.segment}: segment object is missing")
         return
     offset = 0
     for rank, r in enumerate(s.ranks):

@@ -1,0 +1,126 @@
+"""Helpers for tests that run the `lakestream` command in real subprocesses.
+
+    result = run_cli("status", url, "--json")            # CompletedProcess, text output
+    proc = spawn_cli("produce", url, "--producer-id", "a", "--from-dir", d)   # Popen
+    files = make_source_dir(tmp / "src", "a", 100, random.Random(0))        # {name: bytes}
+    steps = read_out_dir(tmp / "out")                     # {step: {name: bytes}}
+
+`env` arguments are merged over `os.environ` (pass `s3_server.env()` for an S3 stream).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = [
+    "LAKESTREAM",
+    "cli_env",
+    "make_source_dir",
+    "read_out_dir",
+    "run_cli",
+    "spawn_cli",
+    "wait_until",
+]
+
+#: The command line that runs the CLI of the interpreter running the tests.
+LAKESTREAM = [sys.executable, "-m", "lakestream._cli"]
+
+T = TypeVar("T")
+
+
+def cli_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`os.environ` with `env` over it, and unbuffered Python output."""
+    out = dict(os.environ)
+    out.update(env or {})
+    out["PYTHONUNBUFFERED"] = "1"
+    return out
+
+
+def run_cli(
+    *args: Any, env: Mapping[str, str] | None = None, timeout: float = 120.0, check: bool | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run `lakestream ARGS...` to completion; stdout and stderr captured as text.
+
+    `check=True` asserts exit 0, `check=False` asserts a non-zero exit, None checks nothing.
+    """
+    argv = [*LAKESTREAM, *map(str, args)]
+    r = subprocess.run(
+        argv, env=cli_env(env), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )
+    if check is True:
+        assert r.returncode == 0, describe(r)
+    elif check is False:
+        assert r.returncode != 0, describe(r)
+    return r
+
+
+def describe(r: subprocess.CompletedProcess[str]) -> str:
+    """A failure message showing a finished command's exit code and output."""
+    cmd = " ".join(str(a) for a in r.args[len(LAKESTREAM) :]) if isinstance(r.args, list) else r.args
+    return f"lakestream {cmd}: exit {r.returncode}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}"
+
+
+def spawn_cli(*args: Any, env: Mapping[str, str] | None = None, **popen: Any) -> subprocess.Popen[str]:
+    """Start `lakestream ARGS...`; stdout and stderr are text pipes unless overridden."""
+    popen.setdefault("stdout", subprocess.PIPE)
+    popen.setdefault("stderr", subprocess.PIPE)
+    return subprocess.Popen(
+        [*LAKESTREAM, *map(str, args)], env=cli_env(env), text=True, stdin=subprocess.DEVNULL, **popen
+    )
+
+
+def make_source_dir(
+    directory: Path, prefix: str, n: int, rng: random.Random, *, max_bin: int = 200
+) -> dict[str, bytes]:
+    """A WebDataset-style directory of `n` samples with keys `<prefix>-<i:05d>`; its {file name: bytes}.
+
+    Every sample has a `txt` and a `bin` field (random bytes, sometimes empty); some also a `json`.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    files: dict[str, bytes] = {}
+    for i in range(n):
+        key = f"{prefix}-{i:05d}"
+        files[f"{key}.txt"] = f"sample {i} of {prefix}: {rng.random()}".encode()
+        files[f"{key}.bin"] = rng.randbytes(rng.randrange(0, max_bin + 1))
+        if i % 7 == 3:
+            files[f"{key}.json"] = b'{"i": %d}' % i
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+    return files
+
+
+def read_out_dir(out: Path) -> dict[int, dict[str, bytes]]:
+    """What `lakestream read --out OUT` wrote: {step: {file name: bytes}}.
+
+    Asserts the layout: only `<step:012d>` directories holding only files.
+    """
+    steps: dict[int, dict[str, bytes]] = {}
+    for d in sorted(out.iterdir()):
+        assert d.is_dir() and len(d.name) == 12 and d.name.isdigit(), f"unexpected entry {d} in {out}"
+        files = {}
+        for f in sorted(d.iterdir()):
+            assert f.is_file(), f"unexpected entry {f}"
+            files[f.name] = f.read_bytes()
+        steps[int(d.name)] = files
+    return steps
+
+
+def wait_until(predicate: Callable[[], T], timeout: float = 30.0, what: str = "condition") -> T:
+    """Poll `predicate` (with a short backoff) until it returns something truthy; return it."""
+    deadline = time.monotonic() + timeout
+    interval = 0.005
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout} s")
+        time.sleep(interval)
+        interval = min(interval * 2, 0.1)
