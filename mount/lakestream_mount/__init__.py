@@ -48,13 +48,13 @@ async def _serve(url: str, mountpoint: str, ranks_spec: str, world_size: int | N
     async with lakestream.open_reader(url, None, world_size, prefetch=0) as reader:
         assert reader.world_size is not None
         ranks = parse_ranks(ranks_spec, reader.world_size)
-        fs = LakeFS(reader, ranks, **options)  # type: ignore[arg-type]
+        fs = LakeFS(reader, ranks, mountpoint=mountpoint, **options)  # type: ignore[arg-type]
         opts = set(pyfuse3.default_options) | {"fsname=lakestream", "subtype=lakestream", "ro"}
         pyfuse3.init(fs, mountpoint, opts)
         log.warning("mounted %s at %s (ranks %s)", url, mountpoint, ranks_spec)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, pyfuse3.terminate)
+            loop.add_signal_handler(sig, fs.shutdown)
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(fs.follow)
@@ -63,7 +63,7 @@ async def _serve(url: str, mountpoint: str, ranks_spec: str, world_size: int | N
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
-            pyfuse3.close(unmount=True)
+            pyfuse3.close(unmount=not fs.detached)
             log.warning("unmounted %s", mountpoint)
 
 

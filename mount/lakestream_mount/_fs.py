@@ -182,6 +182,7 @@ class LakeFS(pyfuse3.Operations):
         cache_size: int = 1 << 30,
         wait: float = 60.0,
         poll_interval: tuple[float, float] = (0.002, 0.25),
+        mountpoint: str = "",
     ) -> None:
         super().__init__()
         self.reader = reader
@@ -199,6 +200,11 @@ class LakeFS(pyfuse3.Operations):
         self._cursor = {r: reader.state.head for r in ranks}  # prefetch window start per rank
         self._seen: dict[tuple[int, int], tuple[int, int]] = {}  # (rank, step) -> (version, files) served
         self._rewinds = reader.state.rewinds
+        self._max_head = reader.state.head
+        self.closing = anyio.Event()
+        self.detached = False
+        self.mountpoint = mountpoint
+        self._checked_mount = time.monotonic()
         self._tg: anyio.abc.TaskGroup | None = None
 
     @property
@@ -214,7 +220,8 @@ class LakeFS(pyfuse3.Operations):
             task_status.started()
             interval = self.poll_min
             self._prefetch()
-            while True:
+            while not self.closing.is_set():
+                old_head = max(self._max_head, self.state.head)
                 try:
                     changed = await self.reader.refresh()
                 except lakestream.StoreError as e:
@@ -223,7 +230,10 @@ class LakeFS(pyfuse3.Operations):
                 if changed:
                     interval = self.poll_min
                     if self.state.rewinds != self._rewinds:
-                        await self._forget_discarded()
+                        await self._forget_discarded(old_head)
+                    self._max_head = self.state.head
+                    for key in [k for k in self._seen if k[1] < self.state.first_step]:
+                        del self._seen[key]  # reclaimed
                     self._changed.set()
                     self._changed = anyio.Event()
                     self._prefetch()
@@ -235,23 +245,32 @@ class LakeFS(pyfuse3.Operations):
                     interval = self.poll_min
                 if self._poke.is_set():
                     self._poke = anyio.Event()
+                if self.unmounted():
+                    log.warning("%s was unmounted", self.mountpoint)
+                    self.detached = True
+                    self.shutdown()
 
-    async def _forget_discarded(self) -> None:
+    async def _forget_discarded(self, old_head: int) -> None:
         """After a rewind, make the kernel forget every entry, attribute and page of the steps it
         discarded: their numbers (and so their inodes) will name other TGBs."""
         self._rewinds = self.state.rewinds
-        for (r, step), (version, nfiles) in list(self._seen.items()):
-            entry = self.state.step(step)
-            if entry is not None and entry.version == version:
-                continue
-            del self._seen[(r, step)]
+        lowest = min((step for _, step in self._seen), default=old_head + 1)
+        for r in self.ranks:
             self._cursor[r] = min(self._cursor[r], self.state.head)
-            try:
-                pyfuse3.invalidate_entry_async(RANK_BASE + r, b"%012d" % step, ignore_enoent=True)
-            except OSError as e:  # pragma: no cover - depends on the kernel's cache
-                log.debug("invalidate entry rank %d step %d: %s", r, step, e)
-            for ino in [step_inode(r, step)] + [file_inode(r, step, i) for i in [*range(nfiles), META_INDEX]]:
-                await anyio.to_thread.run_sync(_invalidate_inode, ino)
+            for step in range(min(lowest, self.state.head + 1), old_head + 1):
+                entry = self.state.step(step)
+                seen = self._seen.get((r, step))
+                if entry is not None and (seen is None or seen[0] == entry.version):
+                    continue  # untouched by the rewind, or recommitted and never served
+                try:
+                    pyfuse3.invalidate_entry_async(RANK_BASE + r, b"%012d" % step, ignore_enoent=True)
+                except OSError as e:  # pragma: no cover - depends on the kernel's cache
+                    log.debug("invalidate entry rank %d step %d: %s", r, step, e)
+                if seen is not None:
+                    del self._seen[(r, step)]
+                    inodes = [step_inode(r, step)] + [file_inode(r, step, i) for i in [*range(seen[1]), META_INDEX]]
+                    for ino in inodes:
+                        await anyio.to_thread.run_sync(_invalidate_inode, ino)
         log.warning("rewind to step %d: discarded steps forgotten", self.state.head)
 
     def _prefetch(self) -> None:
@@ -288,17 +307,45 @@ class LakeFS(pyfuse3.Operations):
         return sl
 
     async def _wait_for(self, step: int) -> bool:
-        """True once `step` is committed; False if it is not retained or `wait` ran out."""
+        """True once `step` is committed; False if it is not retained, `wait` ran out, or the
+        mount is shutting down."""
         deadline = time.monotonic() + self.wait
         while step > self.state.head:
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or self.closing.is_set():
                 return False
             self._poke.set()
             changed = self._changed
             with anyio.move_on_after(left):
                 await changed.wait()
         return step >= self.state.first_step
+
+    def shutdown(self) -> None:
+        """Stop serving: wake every waiting lookup (ENOENT) and end the FUSE main loop."""
+        if not self.closing.is_set():
+            self.closing.set()
+            self._changed.set()
+            self._poke.set()
+            pyfuse3.terminate()
+
+    def unmounted(self) -> bool:
+        """Whether our mount is gone from the mount table (a lazy `umount` detaches it while files
+        are still open, and the kernel would keep the connection, and us, alive)."""
+        now = time.monotonic()
+        if now - self._checked_mount < 1.0 or not self.mountpoint:
+            return False
+        self._checked_mount = now
+        try:
+            with open("/proc/self/mountinfo", "rb") as f:
+                table = f.read()
+        except OSError:
+            return False
+        target = os.fsencode(os.path.abspath(self.mountpoint)).replace(b" ", b"\\040")
+        return not any(
+            fields[4] == target and b" - fuse.lakestream " in line
+            for line in table.splitlines()
+            if len(fields := line.split(b" ")) > 4
+        )
 
     # -- attributes ----------------------------------------------------------------------------
 
@@ -370,7 +417,7 @@ class LakeFS(pyfuse3.Operations):
             return self._attr(STATUS, stat.S_IFREG | 0o444, len(self._status_bytes()), timeout=0)
         self._rank_of(inode)
         if kind == "rank":
-            return self._attr(inode, stat.S_IFDIR | 0o555, timeout=1.0)
+            return self._attr(inode, stat.S_IFDIR | 0o555)
         if kind == "latest":
             return self._attr(inode, stat.S_IFLNK | 0o444, 12, timeout=0)
         if self.state.step(step) is None:
@@ -405,6 +452,9 @@ class LakeFS(pyfuse3.Operations):
             want = int(name)
             if want >= MAX_STEP or not await self._wait_for(want):
                 raise pyfuse3.FUSEError(errno.ENOENT)
+            entry = self.state.step(want)
+            assert entry is not None
+            self._seen.setdefault((r, want), (entry.version, 0))
             return self._attr(step_inode(r, want), stat.S_IFDIR | 0o555)
         if kind == "step":
             if self.state.step(step) is None:

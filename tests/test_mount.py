@@ -1,0 +1,786 @@
+"""`lakestream mount`, mounted for real: a FUSE mount served by a `lakestream mount` subprocess,
+read with plain file APIs from this process, threads, subprocesses and a torch DataLoader.
+
+    MOUNTPOINT/_status.json                        head step, version, producers, lag
+    MOUNTPOINT/rank-<r>/latest -> <step:012d>      symlink to the newest committed step
+    MOUNTPOINT/rank-<r>/<step:012d>/<key>.<field>  one file per sample field of rank r at that step
+    MOUNTPOINT/rank-<r>/<step:012d>/_meta.json     step, manifest version, producer, keys, sizes
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import multiprocessing
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from cliutil import make_source_dir, run_cli, spawn_cli, wait_until
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mountutil import MountProc, PathDataset, is_mounted, read_tree, step_name
+
+import lakestream
+
+if not os.path.exists("/dev/fuse") or not os.access("/dev/fuse", os.R_OK | os.W_OK):
+    pytest.skip("needs /dev/fuse", allow_module_level=True)  # pragma: no cover
+
+Files = dict[str, bytes]  # {"<key>.<field>": bytes}
+
+
+def file_url(path: Path) -> str:
+    return f"file://{path}"
+
+
+# -- producing and reading through the Python API ----------------------------------------------
+
+
+async def _create(url: str, world_size: int, global_batch: int) -> None:
+    await lakestream.create(url, world_size=world_size, global_batch=global_batch)
+
+
+def create(url: str, world_size: int, global_batch: int) -> None:
+    anyio.run(_create, url, world_size, global_batch)
+
+
+async def _produce(url: str, pid: str, samples: list[dict[str, Any]], flush_every: int = 0) -> None:
+    async with lakestream.open_producer(url, pid) as p:
+        for i, s in enumerate(samples):
+            await p.put(s)
+            if flush_every and (i + 1) % flush_every == 0:
+                await p.flush()
+
+
+def produce(url: str, pid: str, samples: list[dict[str, Any]]) -> None:
+    """Put `samples` with producer `pid` and commit them all (a final partial TGB included)."""
+    anyio.run(_produce, url, pid, samples)
+
+
+def tgb(prefix: str, n: int) -> list[dict[str, Any]]:
+    return [{"__key__": f"{prefix}-{i}", "txt": f"{prefix} {i}", "bin": bytes([i % 256]) * (i + 1)} for i in range(n)]
+
+
+async def _committed(url: str) -> dict[tuple[int, int], Files]:
+    state = await lakestream.load_state(url)
+    assert state.config is not None
+    out: dict[tuple[int, int], Files] = {}
+    for rank in range(state.config.world_size):
+        async with lakestream.open_reader(url, rank, raw=True) as r:
+            async for batch in r.steps(state.first_step, state.head + 1):
+                out[rank, batch.step] = {
+                    f"{s['__key__']}.{name}": value for s in batch.samples for name, value in s.items() if name != "__key__"
+                }
+    return out
+
+
+def committed(url: str) -> dict[tuple[int, int], Files]:
+    """{(rank, step): {"<key>.<field>": stored bytes}} of every committed step, via open_reader(raw=True)."""
+    return anyio.run(_committed, url)
+
+
+# -- reading the mount ---------------------------------------------------------------------------
+
+
+def read_step_dir(d: Path) -> tuple[dict[str, Any], Files]:
+    """(`_meta.json` parsed, {name: bytes} of the other files) of a mounted step directory."""
+    files = {}
+    for name in sorted(os.listdir(d)):
+        with open(d / name, "rb") as f:
+            files[name] = f.read()
+    return json.loads(files.pop("_meta.json")), files
+
+
+def check_meta(meta: dict[str, Any], rank: int, step: int, files: Files) -> None:
+    assert meta["step"] == step and meta["rank"] == rank
+    assert meta["files"] == {name: len(data) for name, data in files.items()}
+    assert meta["keys"] == list(dict.fromkeys(name.partition(".")[0] for name in meta["files"]))
+    assert meta["samples"] == len(meta["keys"])
+    if "types" in meta:
+        assert meta["types"].keys() == meta["files"].keys()
+
+
+def errno_of(fn: Callable[[], object]) -> int | None:
+    """The errno `fn` fails with, or None if it succeeds."""
+    try:
+        fn()
+    except OSError as e:
+        return e.errno
+    return None
+
+
+def settled_errno(path: Path, want: int = errno.ENOENT, timeout: float = 3.0) -> int | None:
+    """The errno of os.stat(path), retried for up to `timeout` s until it is `want` (None: it succeeds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = errno_of(lambda: os.stat(path))
+        if got == want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def mounts(tmp_path: Path) -> Iterator[Callable[..., MountProc]]:
+    """`mounts(url, *args, name="mnt")` starts `lakestream mount url tmp/name args...` and waits until it
+    serves. Teardown unmounts every mount lazily, terminates/kills its process and asserts it exited."""
+    started: list[MountProc] = []
+
+    def start(url: str, *args: Any, name: str = "mnt", ready: bool = True) -> MountProc:
+        m = MountProc(url, tmp_path / name, tmp_path / f"{name}.log", *args).start()
+        started.append(m)
+        return m.wait_ready() if ready else m
+
+    yield start
+    problems = []
+    for m in started:
+        try:
+            m.stop()
+        except AssertionError as e:  # pragma: no cover - reported below
+            problems.append(str(e))
+    assert not problems, problems
+
+
+# -- one stream, committed before the mount: 300 steps, some fields over 128 KiB ----------------
+
+
+@dataclass
+class Static:
+    url: str
+    mount: MountProc
+    committed: dict[tuple[int, int], Files]
+
+    @property
+    def mp(self) -> Path:
+        return self.mount.mountpoint
+
+
+STATIC_W, STATIC_B, STATIC_N = 2, 4, 1200  # 300 steps
+
+
+def static_sample(i: int) -> dict[str, Any]:
+    rng = random.Random(i)
+    size = rng.randrange(150_000, 400_000) if i % 97 == 5 else rng.choice([0, 1, rng.randrange(2, 5000)])
+    return {"__key__": f"s{i:05d}", "bin": rng.randbytes(size), "txt": f"sample {i} {rng.random()}"}
+
+
+@pytest.fixture(scope="module")
+def static(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Static]:
+    d = tmp_path_factory.mktemp("static")
+    url = file_url(d / "stream")
+    create(url, STATIC_W, STATIC_B)
+    produce(url, "p", [static_sample(i) for i in range(STATIC_N)])
+    m = MountProc(url, d / "mnt", d / "mount.log").start()
+    try:
+        m.wait_ready()
+        yield Static(url, m, committed(url))
+    finally:
+        rc = m.stop()
+    assert rc == 0, f"exit {rc} after fusermount3 -u:\n{m.log()}"
+
+
+# -- 1. a stream being produced, read by several processes and a DataLoader ---------------------
+
+
+def test_readers_in_several_processes_and_a_dataloader_while_it_is_produced(tmp_path: Path, mounts) -> None:
+    world, batch, n = 3, 5, 120
+    url = file_url(tmp_path / "stream")
+    create(url, world, batch)
+    source = make_source_dir(tmp_path / "src", "a", n, random.Random(7), max_bin=60_000)
+    nsteps = -(-n // batch)
+    m = mounts(url)
+    assert m.status()["head_step"] == -1
+
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(3) as pool:
+        pool.map(str, range(3), chunksize=1)  # the workers are up
+        readers = [pool.apply_async(read_tree, (str(m.mountpoint), list(range(world)), nsteps)) for _ in range(3)]
+        time.sleep(0.5)
+        assert not any(r.ready() for r in readers), "readers finished before anything was committed"
+        producer = spawn_cli("produce", url, "--producer-id", "a", "--from-dir", tmp_path / "src")
+        out, err = producer.communicate(timeout=120)
+        assert producer.returncode == 0, err
+        trees = [r.get(timeout=120) for r in readers]
+
+    assert trees[1] == trees[0] and trees[2] == trees[0]
+    tree = trees[0]
+    assert set(tree) == {(r, s) for r in range(world) for s in range(nsteps)}
+    seen: Files = {}
+    for step in range(nsteps):
+        metas = []
+        for rank in range(world):
+            files = dict(tree[rank, step])
+            meta = json.loads(files.pop("_meta.json"))
+            check_meta(meta, rank, step, files)
+            metas.append(meta)
+            for name, data in files.items():
+                assert name not in seen, f"{name} appears twice (again at rank {rank} step {step})"
+                seen[name] = data
+        assert len({(x["version"], x["producer"], x["segment"], x["seq"]) for x in metas}) == 1
+    assert seen.keys() == source.keys()
+    assert seen == source  # exact bytes of every field of every key, each in exactly one rank of one step
+
+    for rank in range(world):
+        assert sorted(os.listdir(m.mountpoint / f"rank-{rank}")) == [step_name(s) for s in range(nsteps)] + ["latest"]
+
+    from torch.utils.data import DataLoader
+
+    paths = sorted(
+        str(m.mountpoint / f"rank-{r}" / step_name(s) / name) for (r, s), files in tree.items() for name in files
+    )
+    loaded: Files = {}
+    for items in DataLoader(PathDataset(paths), batch_size=8, num_workers=2, collate_fn=list):
+        for path, data in items:
+            loaded[path] = data
+    assert len(loaded) == len(paths)
+    for (r, s), files in tree.items():
+        for name, data in files.items():
+            assert loaded[str(m.mountpoint / f"rank-{r}" / step_name(s) / name)] == data
+
+
+# -- 2. read-only ---------------------------------------------------------------------------------
+
+
+def test_every_write_operation_fails_with_erofs(static: Static) -> None:
+    mp = static.mp
+    rank = mp / "rank-0"
+    step = rank / step_name(3)
+    name = sorted(static.committed[0, 3])[0]
+    f = step / name
+    meta, latest, status = step / "_meta.json", rank / "latest", mp / "_status.json"
+    before = read_step_dir(step)
+
+    ops: dict[str, Callable[[], object]] = {
+        "open O_WRONLY": lambda: os.close(os.open(f, os.O_WRONLY)),
+        "open O_RDWR": lambda: os.close(os.open(f, os.O_RDWR)),
+        "open O_TRUNC": lambda: os.close(os.open(f, os.O_RDONLY | os.O_TRUNC)),
+        "open(w) _meta.json": lambda: open(meta, "w").close(),
+        "open(a) _status.json": lambda: open(status, "a").close(),
+        "open(r+) via latest": lambda: open(latest / "_meta.json", "r+b").close(),
+        "create in step": lambda: open(step / "new.txt", "x").close(),
+        "create in rank dir": lambda: os.close(os.open(rank / "x", os.O_CREAT | os.O_WRONLY, 0o644)),
+        "create in root": lambda: os.close(os.open(mp / "x", os.O_CREAT | os.O_EXCL | os.O_RDONLY, 0o644)),
+        "mkfifo": lambda: os.mkfifo(step / "fifo"),
+        "unlink file": lambda: os.unlink(f),
+        "unlink _status.json": lambda: os.unlink(status),
+        "unlink latest": lambda: os.unlink(latest),
+        "rename file": lambda: os.rename(f, step / "renamed"),
+        "rename step dir": lambda: os.rename(step, rank / step_name(99_999)),
+        "rename latest": lambda: os.rename(latest, rank / "newest"),
+        "mkdir in step": lambda: os.mkdir(step / "d"),
+        "mkdir rank": lambda: os.mkdir(mp / "rank-9"),
+        # (not a future step's name: mkdir looks the name up first, and that lookup waits --wait s)
+        "mkdir in rank dir": lambda: os.mkdir(rank / "d"),
+        "rmdir step": lambda: os.rmdir(step),
+        "rmdir rank": lambda: os.rmdir(rank),
+        "chmod file": lambda: os.chmod(f, 0o644),
+        "chmod dir": lambda: os.chmod(step, 0o777),
+        "chown file": lambda: os.chown(f, 1, 1),
+        "utime file": lambda: os.utime(f, (0, 0)),
+        "truncate file": lambda: os.truncate(f, 0),
+        "truncate _status.json": lambda: os.truncate(status, 0),
+        "symlink": lambda: os.symlink(name, step / "link"),
+        "link": lambda: os.link(f, step / "hard"),
+        "setxattr file": lambda: os.setxattr(f, "user.x", b"1"),
+        "setxattr dir": lambda: os.setxattr(step, "user.x", b"1"),
+        "setxattr latest": lambda: os.setxattr(latest, "user.x", b"1", follow_symlinks=False),
+        "removexattr": lambda: os.removexattr(f, "user.x"),
+    }
+    got = {what: errno_of(op) for what, op in ops.items()}
+    wrong = {what: (errno.errorcode.get(e, e) if e else "succeeded") for what, e in got.items() if e != errno.EROFS}
+    assert not wrong, f"expected EROFS, got: {wrong}"
+    assert read_step_dir(step) == before
+    assert sorted(os.listdir(mp)) == ["_status.json", "rank-0", "rank-1"]
+
+
+# -- 3. waiting lookups ----------------------------------------------------------------------------
+
+
+class Blocked(threading.Thread):
+    """Runs `fn` in a daemon thread, recording its result or error and when it returned."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        super().__init__(daemon=True)
+        self.fn = fn
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.returned_at = 0.0
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as e:
+            self.error = e
+        self.returned_at = time.monotonic()
+
+
+def test_a_lookup_of_the_next_step_returns_when_it_commits(tmp_path: Path, mounts) -> None:
+    url = file_url(tmp_path / "stream")
+    create(url, 2, 2)
+    produce(url, "p", tgb("a", 2))  # step 0
+    m = mounts(url, "--wait", 30)
+    r0, r1 = m.mountpoint / "rank-0", m.mountpoint / "rank-1"
+    assert os.path.isdir(r0 / step_name(0))
+
+    def read_meta() -> dict[str, Any]:
+        with open(r1 / step_name(1) / "_meta.json", "rb") as f:
+            return json.loads(f.read())
+
+    waiters = [Blocked(lambda: os.stat(r0 / step_name(1))), Blocked(read_meta)]
+    time.sleep(0.7)
+    assert all(w.is_alive() for w in waiters), [w.error for w in waiters]
+    produce(url, "p", tgb("b", 2))  # step 1, one TGB
+    committed_at = time.monotonic()
+    for w in waiters:
+        w.join(10)
+        assert not w.is_alive(), "lookup still blocked 10 s after the step committed"
+        assert w.error is None, w.error
+        assert w.returned_at - committed_at < 2.0, f"returned {w.returned_at - committed_at:.2f} s after the commit"
+    st_result, meta = waiters[0].result, waiters[1].result
+    assert st_result.st_mode & 0o170000 == 0o040000  # a directory
+    assert meta["step"] == 1 and meta["rank"] == 1
+    assert meta["files"] == {name: len(data) for name, data in committed(url)[1, 1].items()}
+    assert meta["version"] == anyio.run(lakestream.load_state, url).step(1).version
+
+
+def test_a_lookup_of_a_step_that_never_comes_fails_with_enoent_after_wait(tmp_path: Path, mounts) -> None:
+    url = file_url(tmp_path / "stream")
+    create(url, 2, 2)
+    produce(url, "p", tgb("a", 4))  # steps 0, 1
+    m = mounts(url, "--wait", 1)
+    r0 = m.mountpoint / "rank-0"
+    for path in (r0 / step_name(2), r0 / step_name(50) / "_meta.json"):
+        t0 = time.monotonic()
+        with pytest.raises(FileNotFoundError):
+            os.stat(path)
+        took = time.monotonic() - t0
+        assert 0.9 <= took < 5.0, f"ENOENT for {path.name} after {took:.2f} s with --wait 1"
+    t0 = time.monotonic()
+    for bad in ("rank-0/1", "rank-0/00000000000x", "rank-0/0000000000001", "rank-2", "rank-00", "nope"):
+        assert errno_of(lambda: os.stat(m.mountpoint / bad)) == errno.ENOENT, bad
+    assert time.monotonic() - t0 < 0.9, "names that can never be steps should not wait"
+    assert os.path.isdir(r0 / step_name(1))  # committed steps: no waiting
+    assert m.proc is not None and m.proc.poll() is None
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Debian's libfuse 3.14 does not negotiate FUSE_PARALLEL_DIROPS (INIT reply flags 0x4040b039), "
+    "so the kernel serialises uncached lookups within one directory: a lookup waiting for a step "
+    "holds up other first-time lookups in the same rank directory. See docs/mount.md.",
+)
+def test_a_waiting_lookup_does_not_hold_up_other_lookups_in_its_rank_directory(tmp_path: Path, mounts) -> None:
+    """Two lookups wait (in one rank directory) for steps that never come; meanwhile lookups of
+    committed steps, `latest` and a listing of that directory must not queue behind them, and each
+    waiting lookup must give up after about --wait, not after the waits before it."""
+    url = file_url(tmp_path / "stream")
+    create(url, 2, 2)
+    produce(url, "p", tgb("a", 8))  # steps 0..3
+    wait = 3.0
+    m = mounts(url, "--wait", wait)
+    r0 = m.mountpoint / "rank-0"
+    t0 = time.monotonic()
+    waiters = [Blocked(lambda s=s: os.stat(r0 / step_name(s))) for s in (100, 101)]
+    time.sleep(0.3)
+    assert all(w.is_alive() for w in waiters)
+
+    def timed(fn: Callable[[], object]) -> Callable[[], float]:
+        def run() -> float:
+            start = time.monotonic()
+            fn()
+            return time.monotonic() - start
+
+        return run
+
+    probes = {
+        "stat of committed step 2": Blocked(timed(lambda: os.stat(r0 / step_name(2)))),
+        "open of step 3's _meta.json": Blocked(timed(lambda: open(r0 / step_name(3) / "_meta.json", "rb").close())),
+        "listdir rank-0": Blocked(timed(lambda: os.listdir(r0))),
+        "stat rank-0/latest": Blocked(timed(lambda: os.stat(r0 / "latest"))),
+    }
+    for p in probes.values():
+        p.join(30)
+    for w in waiters:
+        w.join(30)
+    assert all(p.error is None for p in probes.values()), {k: p.error for k, p in probes.items()}
+    assert all(isinstance(w.error, FileNotFoundError) for w in waiters), [w.error for w in waiters]
+    took = {what: round(p.result, 2) for what, p in probes.items()}
+    waited = [round(w.returned_at - t0, 2) for w in waiters]
+    assert max(took.values()) < 1.0 and max(waited) < wait + 1.0, (
+        f"with lookups of steps 100 and 101 waiting in rank-0 (--wait {wait}): "
+        f"these took {took} s; the waiting lookups gave up after {waited} s"
+    )
+
+
+# -- 4. latest -----------------------------------------------------------------------------------------
+
+
+def test_latest_moves_when_steps_commit(tmp_path: Path, mounts) -> None:
+    url = file_url(tmp_path / "stream")
+    create(url, 2, 2)
+    m = mounts(url, "--wait", 5)
+    r1 = m.mountpoint / "rank-1"
+    assert not os.path.lexists(r1 / "latest")
+    assert os.listdir(r1) == []
+    for n in range(3):
+        produce(url, "p", tgb(f"t{n}", 2))
+        want = step_name(n)
+        wait_until(lambda: os.path.lexists(r1 / "latest") and os.readlink(r1 / "latest") == want, 5.0, f"latest -> {want}")
+        assert os.readlink(m.mountpoint / "rank-0" / "latest") == want
+        assert sorted(os.listdir(r1)) == [step_name(s) for s in range(n + 1)] + ["latest"]
+        with open(r1 / "latest" / "_meta.json", "rb") as f:
+            assert json.loads(f.read())["step"] == n
+        assert m.status()["head_step"] == n
+
+
+def test_after_a_rewind_the_mount_shows_the_new_tgbs_of_reused_steps(tmp_path: Path, mounts) -> None:
+    url = file_url(tmp_path / "stream")
+    create(url, 1, 2)
+    produce(url, "p", tgb("old", 8))  # steps 0..3
+    m = mounts(url, "--wait", 1)
+    r0 = m.mountpoint / "rank-0"
+    old_meta3, old3 = read_step_dir(r0 / step_name(3))  # step 3 read in full, step 2 only looked up
+    assert os.path.isdir(r0 / step_name(2)) and old_meta3["keys"] == ["old-6", "old-7"]
+
+    anyio.run(lambda: lakestream.rewind(url, to_step=1))
+    wait_until(lambda: m.status()["head_step"] == 1, 5.0, "the mount sees the rewind")
+    assert os.readlink(r0 / "latest") == step_name(1)
+    assert sorted(os.listdir(r0)) == [step_name(0), step_name(1), "latest"]
+    # discarded steps are gone (a lookup waits --wait 1 for a new commit, then ENOENT)
+    still_visible = {how: settled_errno(r0 / step_name(s)) for how, s in (("looked up", 2), ("read", 3))}
+
+    produce(url, "q", tgb("new", 4))  # steps 2, 3 again: other TGBs
+    state = anyio.run(lakestream.load_state, url)
+    assert state.head == 3
+    truth = committed(url)
+    wait_until(lambda: m.status()["head_step"] == 3, 5.0, "the mount sees the new steps")
+    for step in (2, 3):
+        meta, files = read_step_dir(r0 / step_name(step))
+        entry = state.step(step)
+        assert entry is not None
+        assert (meta["version"], meta["producer"], meta["segment"]) == (entry.version, "q", entry.segment)
+        assert files == truth[0, step]
+        check_meta(meta, 0, step, files)
+    assert read_step_dir(r0 / step_name(3))[1] != old3
+    assert still_visible == {"looked up": errno.ENOENT, "read": errno.ENOENT}, (
+        f"stat of discarded steps after the rewind (errno, None = it succeeded): {still_visible}"
+    )
+
+
+# -- 5. unmounting with readers active ----------------------------------------------------------------
+
+HOLD_OPEN = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+print("ready", len(os.pread(fd, 1 << 20, 0)), flush=True)
+sys.stdin.readline()
+try:
+    print("read", len(os.pread(fd, 1 << 20, 0)), flush=True)
+except OSError as e:
+    print("error", e.errno, flush=True)
+os.close(fd)
+"""
+
+WAIT_LOOKUP = """
+import os, sys
+print("ready", flush=True)
+try:
+    os.stat(sys.argv[1])
+    print("found", flush=True)
+except OSError as e:
+    print("error", e.errno, flush=True)
+"""
+
+
+@pytest.mark.parametrize("stop", ["umount", "sigterm"])
+@pytest.mark.parametrize("reader", ["open-file", "waiting-lookup"])
+def test_unmount_with_an_active_reader_does_not_hang(tmp_path: Path, mounts, reader: str, stop: str) -> None:
+    url = file_url(tmp_path / "stream")
+    create(url, 2, 2)
+    produce(url, "p", tgb("a", 4))
+    m = mounts(url, "--wait", 30)
+    if reader == "open-file":
+        script, target = HOLD_OPEN, m.mountpoint / "rank-0" / step_name(1) / sorted(committed(url)[0, 1])[0]
+    else:
+        script, target = WAIT_LOOKUP, m.mountpoint / "rank-0" / step_name(1000)
+    r = subprocess.Popen(
+        [sys.executable, "-c", script, str(target)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert r.stdout is not None and r.stdin is not None
+    try:
+        assert r.stdout.readline().startswith("ready")
+        time.sleep(0.5)
+        assert r.poll() is None  # holding the file open / blocked in the lookup
+
+        t0 = time.monotonic()
+        if stop == "umount":
+            run_cli("umount", m.mountpoint, check=True, timeout=30)
+            assert not is_mounted(m.mountpoint)
+        else:
+            assert m.proc is not None
+            m.proc.send_signal(signal.SIGTERM)
+        rc = m.wait_exit(10.0)
+        exit_after = time.monotonic() - t0
+    finally:
+        if r.poll() is None:
+            try:
+                r.stdin.write("\n")
+                r.stdin.flush()
+            except BrokenPipeError:  # pragma: no cover - it just exited
+                pass
+        if m.proc is not None and m.proc.poll() is None:
+            # the mount process still serves: kill it so that the reader is released
+            try:
+                r.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                m.proc.kill()
+        try:
+            out, _ = r.communicate(timeout=10)
+        finally:
+            if r.poll() is None:  # pragma: no cover - the reader hangs for good
+                r.kill()
+                r.communicate()
+    assert rc is not None, (
+        f"the mount process (stopped by {stop}) was still running 10 s later, with a reader "
+        f"{'holding a file open' if reader == 'open-file' else 'blocked in a waiting lookup (--wait 30)'}"
+        f"\n--- mount log\n{m.log()}"
+    )
+    assert exit_after < 10.0
+    assert rc == 0, m.log()
+    assert re.fullmatch(r"(read \d+|error \d+|found)\n", out), out
+    assert not is_mounted(m.mountpoint)
+
+
+# -- 6. two mounts, two ranks ------------------------------------------------------------------------------
+
+
+def test_two_mounts_of_different_ranks_see_slices_of_the_same_tgbs(tmp_path: Path, mounts) -> None:
+    url = file_url(tmp_path / "stream")
+    create(url, 2, 6)
+
+    async def two_producers() -> None:
+        async with anyio.create_task_group() as tg:
+            for pid in ("x", "y"):
+                samples = [{"__key__": f"{pid}{i:03d}", "txt": f"{pid} {i}", "v": str(i) * (i % 5)} for i in range(57)]
+                tg.start_soon(_produce, url, pid, samples, 12)
+
+    anyio.run(two_producers)
+    state = anyio.run(lakestream.load_state, url)
+    truth = committed(url)
+    m0 = mounts(url, "--ranks", "0", name="mnt0")
+    m1 = mounts(url, "--ranks", "1", name="mnt1")
+    assert sorted(os.listdir(m0.mountpoint)) == ["_status.json", "rank-0"]
+    assert sorted(os.listdir(m1.mountpoint)) == ["_status.json", "rank-1"]
+    assert errno_of(lambda: os.stat(m0.mountpoint / "rank-1")) == errno.ENOENT
+    assert m0.status()["ranks"] == [0] and m1.status()["ranks"] == [1]
+
+    steps = [int(s) for s in os.listdir(m0.mountpoint / "rank-0") if s != "latest"]
+    assert sorted(steps) == list(range(state.head + 1)) and state.head >= 15
+    assert sorted(int(s) for s in os.listdir(m1.mountpoint / "rank-1") if s != "latest") == sorted(steps)
+    all_keys: set[str] = set()
+    for step in range(state.head + 1):
+        meta0, files0 = read_step_dir(m0.mountpoint / "rank-0" / step_name(step))
+        meta1, files1 = read_step_dir(m1.mountpoint / "rank-1" / step_name(step))
+        check_meta(meta0, 0, step, files0)
+        check_meta(meta1, 1, step, files1)
+        entry = state.step(step)
+        assert entry is not None
+        for k in ("step", "version", "producer", "segment", "epoch", "seq"):
+            assert meta0[k] == meta1[k] == getattr(entry, k), (step, k)
+        keys0, keys1 = set(meta0["keys"]), set(meta1["keys"])
+        assert not keys0 & keys1
+        assert files0 == truth[0, step] and files1 == truth[1, step]
+        tgb_keys = {n.partition(".")[0] for r in (0, 1) for n in truth[r, step]}
+        assert keys0 | keys1 == tgb_keys and len(tgb_keys) == entry.samples
+        assert {k[0] for k in tgb_keys} == {entry.producer}
+        all_keys |= tgb_keys
+    assert all_keys == {f"{p}{i:03d}" for p in "xy" for i in range(57)}
+
+
+# -- 7. random reads -------------------------------------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_preads_equal_slices_of_the_committed_bytes(static: Static, data: st.DataObject) -> None:
+    rank = data.draw(st.integers(0, STATIC_W - 1), label="rank")
+    # steps holding a big field are drawn often: their reads span several FUSE requests
+    big = sorted({(i // STATIC_B) for i in range(STATIC_N) if i % 97 == 5})
+    step = data.draw(st.sampled_from(big) | st.integers(0, STATIC_N // STATIC_B - 1), label="step")
+    files = static.committed[rank, step]
+    name = data.draw(st.sampled_from(sorted(files)), label="file")
+    want = files[name]
+    offset = data.draw(st.integers(0, len(want) + 10) | st.integers(0, 1 << 20), label="offset")
+    size = data.draw(st.integers(0, 300_000) | st.integers(0, 16), label="size")
+    fd = os.open(static.mp / f"rank-{rank}" / step_name(step) / name, os.O_RDONLY)
+    try:
+        assert os.fstat(fd).st_size == len(want)
+        assert os.pread(fd, size, offset) == want[offset : offset + size]
+    finally:
+        os.close(fd)
+
+
+def test_whole_files_equal_the_committed_bytes(static: Static) -> None:
+    for (rank, step), files in static.committed.items():
+        if step % 10 == 0 or any(len(b) > 100_000 for b in files.values()):
+            meta, got = read_step_dir(static.mp / f"rank-{rank}" / step_name(step))
+            assert got == files, (rank, step)
+            check_meta(meta, rank, step, got)
+
+
+def test_file_names_empty_files_and_a_tiny_cache(tmp_path: Path, mounts) -> None:
+    """Unicode keys, dotted field names, 255-byte names and empty fields; with --cache-size 1 every
+    read refetches a slice, and interleaved reads of two big files still return the right bytes."""
+    url = file_url(tmp_path / "stream")
+    create(url, 1, 3)
+    rng = random.Random(3)
+    samples = [
+        {"__key__": "héllo wörld", "txt": "ünïcode ✓", "bin": b""},
+        {"__key__": "emoji-😀", "tar.gz": rng.randbytes(300_000), "a.b.c": b"x"},
+        {"__key__": "k" * 200, "f" * 54: b"255 bytes of name"},
+        {"__key__": "big", "bin": rng.randbytes(500_000)},
+    ]
+    produce(url, "p", samples)  # step 0: the first three samples, step 1: "big"
+    truth = committed(url)
+    m = mounts(url, "--cache-size", 1, "--prefetch", 0)
+    s0, s1 = m.mountpoint / "rank-0" / step_name(0), m.mountpoint / "rank-0" / step_name(1)
+    names = sorted(os.listdir(s0))
+    assert names == sorted(["_meta.json", *truth[0, 0]])
+    assert len(("k" * 200 + "." + "f" * 54).encode()) == 255 and "k" * 200 + "." + "f" * 54 in names
+    meta, files = read_step_dir(s0)
+    assert files == truth[0, 0]
+    check_meta(meta, 0, 0, files)
+    assert os.stat(s0 / "héllo wörld.bin").st_size == 0
+    a, b = s0 / "emoji-😀.tar.gz", s1 / "big.bin"
+    fa, fb = os.open(a, os.O_RDONLY), os.open(b, os.O_RDONLY)
+    try:
+        got_a, got_b = bytearray(), bytearray()
+        chunk = 40_000
+        for off in range(0, 500_000, chunk):
+            got_a += os.pread(fa, chunk, off)
+            got_b += os.pread(fb, chunk, off)
+    finally:
+        os.close(fa)
+        os.close(fb)
+    assert bytes(got_a) == truth[0, 0]["emoji-😀.tar.gz"] and bytes(got_b) == truth[0, 1]["big.bin"]
+    assert m.status()["cache_bytes"] <= 600_000  # one slice at most
+
+
+# -- 8. --ranks -----------------------------------------------------------------------------------------
+
+
+def test_ranks_spec_selects_exactly_those_rank_directories(tmp_path: Path, mounts) -> None:
+    url = file_url(tmp_path / "stream")
+    create(url, 4, 4)
+    produce(url, "p", tgb("a", 8))
+    specs = {"0-2": [0, 1, 2], "3": [3], "0,2": [0, 2], "all": [0, 1, 2, 3], "3,0-1": [0, 1, 3]}
+    ms = {spec: mounts(url, "--ranks", spec, name=f"mnt{i}", ready=False) for i, spec in enumerate(specs)}
+    for spec, m in ms.items():
+        m.wait_ready()
+        want = specs[spec]
+        assert sorted(os.listdir(m.mountpoint)) == ["_status.json"] + [f"rank-{r}" for r in want], spec
+        assert m.status()["ranks"] == want
+        for r in range(4):
+            present = os.path.isdir(m.mountpoint / f"rank-{r}" / step_name(1))
+            assert present == (r in want), (spec, r)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ranks", "4"], "rank 4 is out of range for world size 4"),
+        (["--ranks", "0-7"], "out of range"),
+        (["--ranks", "0,9"], "rank 9 is out of range"),
+        (["--ranks", "2-1"], "is empty"),
+        (["--ranks", "x"], "--ranks 'x'"),
+        (["--ranks", "1,,2"], "--ranks '1,,2'"),
+        (["--ranks", ""], "--ranks ''"),
+        (["--ranks=-1"], "--ranks '-1'"),
+        (["--ranks", "0-"], "--ranks '0-'"),
+        (["--world-size", "3"], "world size"),
+    ],
+)
+def test_a_bad_ranks_spec_fails_clearly_and_leaves_no_mount(tmp_path: Path, args: list[str], message: str) -> None:
+    url = file_url(tmp_path / "stream")
+    create(url, 4, 4)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    r = run_cli("mount", url, mp, *args, check=False, timeout=30)
+    assert "lakestream mount: error:" in r.stderr and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert not is_mounted(mp)
+    assert os.listdir(mp) == []
+
+
+# -- 9. listing --------------------------------------------------------------------------------------------
+
+
+def test_listing_a_rank_with_300_steps(static: Static) -> None:
+    nsteps = STATIC_N // STATIC_B
+    for rank in range(STATIC_W):
+        t0 = time.monotonic()
+        names = os.listdir(static.mp / f"rank-{rank}")
+        took = time.monotonic() - t0
+        assert len(names) == len(set(names)) == nsteps + 1
+        assert sorted(names) == [step_name(s) for s in range(nsteps)] + ["latest"]
+        assert took < 2.0, f"listing {nsteps} steps took {took:.2f} s"
+        with os.scandir(static.mp / f"rank-{rank}") as it:
+            kinds = {e.name: (e.is_dir(follow_symlinks=False), e.is_symlink()) for e in it}
+        assert kinds.pop("latest") == (False, True)
+        assert set(kinds.values()) == {(True, False)}
+    assert os.readlink(static.mp / "rank-1" / "latest") == step_name(nsteps - 1)
+    for step in (0, 150, nsteps - 1):
+        names = sorted(os.listdir(static.mp / "rank-0" / step_name(step)))
+        assert names == sorted(["_meta.json", *static.committed[0, step]])
+
+
+# -- 10. corruption -------------------------------------------------------------------------------------------
+
+
+def test_a_corrupt_slice_reads_as_eio_and_the_mount_stays_up(tmp_path: Path, mounts) -> None:
+    url = file_url(tmp_path / "stream")
+    create(url, 2, 4)
+    produce(url, "p", [{"__key__": f"k{i:02d}", "bin": bytes([i]) * 1000} for i in range(24)])  # 6 steps
+    truth = committed(url)
+    m = mounts(url, "--prefetch", 0, "--wait", 2)
+    r1 = m.mountpoint / "rank-1"
+    assert read_step_dir(r1 / step_name(2))[1] == truth[1, 2]
+
+    entry = anyio.run(lakestream.load_state, url).step(3)
+    assert entry is not None
+    segment = tmp_path / "stream" / entry.segment
+    assert segment.is_file() and entry.segment.startswith("segments/")
+    at = entry.ranks[1].offset + entry.ranks[1].length - 10  # a payload byte of rank 1's slice
+    with open(segment, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+    name = sorted(truth[1, 3])[-1]
+    for _ in range(2):  # an error is not cached as good data
+        with pytest.raises(OSError) as exc:
+            with open(r1 / step_name(3) / name, "rb") as f:
+                f.read()
+        assert exc.value.errno == errno.EIO, exc.value
+    assert errno_of(lambda: os.listdir(r1 / step_name(3))) == errno.EIO
+
+    assert m.proc is not None and m.proc.poll() is None
+    assert m.status()["head_step"] == 5
+    assert read_step_dir(m.mountpoint / "rank-0" / step_name(3))[1] == truth[0, 3]  # rank 0's slice is intact
+    for step in (4, 5):
+        assert read_step_dir(r1 / step_name(step))[1] == truth[1, step]
+    log = m.log()
+    assert re.search(r"step 3\b.*rank 1\b", log), log
+    assert "checksum mismatch" in log
