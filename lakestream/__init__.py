@@ -126,7 +126,8 @@ async def open_producer(target: Target, producer_id: str, **options: Any) -> Asy
     Leaving the block normally commits everything put, including a final partial TGB; leaving it
     with an exception abandons what was not committed yet. `producer.cursor` is where to resume
     the source. Options: cost (a function of the sample: balance ranks by it), max_inflight_bytes,
-    policy (`"dac"` (default), `"eager"`, `"backoff"`, `"interval"` or a CommitPolicy instance).
+    policy (`"dac"` (default), `"eager"`, `"backoff"`, `"interval"` or a CommitPolicy instance),
+    gc_interval (seconds: also run `gc` in the background).
     """
     async with _store_for(target) as store, Producer(store, producer_id, **options) as producer:
         yield producer

@@ -91,6 +91,7 @@ class Producer:
         cost: Callable[[Mapping[str, Any]], float] | None = None,
         max_inflight_bytes: int = 256 << 20,
         policy: str | CommitPolicy | None = None,
+        gc_interval: float | None = None,
         manifest: Manifest | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -100,6 +101,7 @@ class Producer:
         self._cost = cost
         self._max_inflight = max_inflight_bytes
         self._policy = make_policy(policy)
+        self._gc_interval = gc_interval
         self._clock = clock
         self._token = uuid.uuid4().hex
         self.epoch = 0
@@ -129,6 +131,8 @@ class Producer:
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._committer)
+        if gc := self._gc_interval:
+            self._tg.start_soon(self._collect_garbage, gc)
         if version is not None:
             self._appended(version)
         return self
@@ -384,6 +388,18 @@ class Producer:
         commit path (the state is copied now; serialising and writing happen in the background)."""
         if version % self.config.snapshot_every == 0 and self._tg is not None:
             self._tg.start_soon(self._snapshot, self.manifest.state.copy())
+
+    async def _collect_garbage(self, interval: float) -> None:
+        """GC in the background, every `interval` seconds; failures are logged, not fatal."""
+        from ._lifecycle import gc
+
+        while True:
+            await anyio.sleep(interval)
+            try:
+                report = await gc(self.store, progress=False)
+                log.info("%s", report.summary())
+            except Exception as e:
+                log.warning("%s: background gc failed: %s", self.manifest.url, e)
 
     async def _snapshot(self, state: State) -> None:
         try:

@@ -175,3 +175,18 @@ async def test_a_reader_past_a_rewind_is_told(store) -> None:
             for _ in range(2):
                 await it.__anext__()
         await it.aclose()
+
+
+async def test_producers_can_collect_garbage_in_the_background() -> None:
+    store = MemoryStore()
+    await lakestream.create(store, world_size=1, global_batch=1, keep_checkpoints=1)
+    async with lakestream.open_producer(store, "p", gc_interval=0.05) as p:
+        for i in range(6):
+            await p.put({"txt": str(i)}, cursor=i + 1)
+        await p.flush()
+        await lakestream.checkpoint(store, "c", 4)
+        with anyio.fail_after(10):
+            while (await lakestream.load_state(store)).first_step != 4 or len(await store.list("segments/")) != 2:
+                await anyio.sleep(0.02)
+    state = await lakestream.load_state(store)
+    assert sorted(await store.list("segments/")) == sorted(s.segment for s in state.steps)

@@ -1,0 +1,513 @@
+"""PyTorch integration: a stream (or a mounted stream) as an `IterableDataset`, and the checkpoint hook.
+
+    from lakestream.torch import StreamDataset, checkpoint_hook
+
+    ds = StreamDataset(url)                            # rank from torch.distributed / torchrun env
+    ds.load_state_dict(saved["dataset"])               # resume: {"next_step": n}
+    hook = checkpoint_hook(url)                        # rank 0 records, other ranks: no-op
+    for item in DataLoader(ds, batch_size=None):       # one item per step
+        step, samples = item["step"], item["samples"]  # this rank's samples of the global batch
+        ...
+        if time_to_checkpoint:
+            save_atomically({"model": ..., "optimizer": ..., "dataset": ds.state_dict()})
+            hook(step)                                 # after the trainer's checkpoint is durable
+
+An item is `{"step": int, "samples": [sample, ...]}`; a sample is a dict with `__key__` and its
+fields as put, except that numpy arrays become torch tensors (`torch.from_numpy`; arrays of a dtype
+torch has no tensor type for stay numpy arrays).
+
+`state_dict()` is `{"next_step": n}`, the step after the last one yielded; each new iterator starts
+at `state_dict()["next_step"]` (the `start` option at first), so iterating again continues the
+stream, and `load_state_dict()` sets where the next iterator starts.
+
+DataLoader workers (`num_workers=W > 0`): the steps are sharded across workers so that
+DataLoader's round-robin over workers yields them in order: worker w reads steps n+w, n+w+W, …
+(n: `next_step` when the DataLoader iterator was created). Each worker holds a copy of the
+dataset, so the dataset's `state_dict()` in the training process does not advance: save
+`{"next_step": item["step"] + 1}` instead, and call `load_state_dict` before creating the
+DataLoader iterator. `persistent_workers=True` is not supported (a second epoch would restart
+the workers' copies from their own, stale, positions).
+
+This is the only module of the package that imports torch; `import lakestream` does not import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import numpy as np
+import orjson
+import torch
+import torch.utils.data
+
+import lakestream
+
+__all__ = ["MountDataset", "StreamDataset", "checkpoint_hook", "resolve_rank"]
+
+NPY_MAGIC = b"\x93NUMPY"
+META_NAME = "_meta.json"
+STATUS_NAME = "_status.json"
+
+
+# -- rank, world size ---------------------------------------------------------------------------
+
+
+def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tuple[int, int | None]:
+    """(rank, world size) of this process.
+
+    An explicit `rank` wins (with `world_size`, None: whatever the stream has); else the
+    initialised default `torch.distributed` process group; else torchrun's environment (`RANK`,
+    `WORLD_SIZE`); else a single process: rank 0 of a world of 1.
+    """
+    if rank is not None:
+        if type(rank) is not int or rank < 0:
+            raise ValueError(f"rank must be a non-negative integer, got {rank!r}")
+        return rank, world_size
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size() if world_size is None else world_size
+    env_rank = os.environ.get("RANK")
+    if env_rank is not None:
+        env_world = os.environ.get("WORLD_SIZE")
+        try:
+            r = int(env_rank)
+            w = int(env_world) if env_world is not None and world_size is None else world_size
+        except ValueError:
+            raise ValueError(f"RANK={env_rank!r} / WORLD_SIZE={env_world!r}: expected integers") from None
+        return r, w
+    return 0, 1 if world_size is None else world_size
+
+
+def _check_steps(start: int, stop: int | None) -> None:
+    if type(start) is not int or start < 0:
+        raise ValueError(f"start must be a non-negative integer, got {start!r}")
+    if stop is not None and (type(stop) is not int or stop < start):
+        raise ValueError(f"stop must be None or an integer >= start ({start}), got {stop!r}")
+
+
+def _shard() -> tuple[int, int]:
+    """(offset, stride) of this DataLoader worker's steps: (0, 1) outside workers."""
+    info = torch.utils.data.get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+# -- values -------------------------------------------------------------------------------------
+
+
+def to_tensor(a: np.ndarray) -> torch.Tensor | np.ndarray:
+    """`torch.from_numpy(a)` (made native-endian and writable first); `a` itself if torch has no
+    tensor type for its dtype (strings, objects, structured arrays)."""
+    if a.dtype.byteorder not in "=|" and a.dtype.fields is None:
+        a = a.astype(a.dtype.newbyteorder("="))
+    if not a.flags.writeable:
+        a = a.copy()
+    try:
+        return torch.from_numpy(a)
+    except TypeError:
+        return a
+
+
+def _convert(sample: dict[str, Any]) -> dict[str, Any]:
+    return {k: to_tensor(v) if isinstance(v, np.ndarray) else v for k, v in sample.items()}
+
+
+def decode_file(name: str, data: bytes, tag: str | None = None) -> Any:
+    """The value of a mounted `<key>.<field>` file.
+
+    With the field's type tag (from `_meta.json`'s "types": `b` bytes, `s` UTF-8 text, `n` .npy,
+    `j` JSON) exactly the value that was put (arrays as tensors). Without one, a guess from the
+    extension and the bytes: `.npy` or the npy magic -> tensor, `.json` -> JSON, `.txt` -> str,
+    anything else (or what fails to decode as guessed) -> bytes.
+    """
+    if tag is not None:
+        if tag == "b":
+            return data
+        if tag == "s":
+            return data.decode()
+        if tag == "n":
+            return to_tensor(np.load(io.BytesIO(data), allow_pickle=False))
+        if tag == "j":
+            return orjson.loads(data)
+        raise ValueError(f"{name}: unknown field type {tag!r}")
+    ext = name.rpartition(".")[2]
+    try:
+        if ext == "npy" or data.startswith(NPY_MAGIC):
+            return to_tensor(np.load(io.BytesIO(data), allow_pickle=False))
+        if ext == "json":
+            return orjson.loads(data)
+        if ext == "txt":
+            return data.decode()
+    except (ValueError, UnicodeDecodeError, orjson.JSONDecodeError):
+        pass
+    return data
+
+
+# -- the async reader on a background event loop ------------------------------------------------
+
+
+async def _call(fn: Callable[[], Any]) -> Any:
+    return await fn()
+
+
+_DONE = object()
+
+
+async def _anext(agen: AsyncIterator[Any]) -> Any:
+    try:
+        return await agen.__anext__()
+    except StopAsyncIteration:
+        return _DONE
+
+
+async def _owned_steps(reader: lakestream.Reader, start: int, stop: int | None, stride: int) -> AsyncIterator[Any]:
+    """Steps start, start+stride, … below stop; like `Reader.steps` (which prefetches) for stride 1."""
+    if stride == 1:
+        async for batch in reader.steps(start, stop):
+            yield batch
+        return
+    rewinds = reader.state.rewinds
+    last: tuple[int, int] | None = None  # (step, version) of the last step yielded
+    step = start
+    while stop is None or step < stop:
+        batch = await reader.read_step(step)
+        state = reader.state
+        if state.rewinds != rewinds and last is not None:
+            entry = state.step(last[0])
+            if entry is None or entry.version != last[1]:
+                raise lakestream.StepUnavailable(
+                    f"{reader.url}: step {last[0]}, already read, was discarded by a rewind: "
+                    "restart reading from the restored checkpoint"
+                )
+        last = (batch.step, batch.version)
+        yield batch
+        step += stride
+
+
+class _Source:
+    """A reader on an event loop in a background thread. Holds no reference to its iterator,
+    so that the iterator's finalizer can close it."""
+
+    def __init__(self, url: str, rank: int, world_size: int | None, start: int, stop: int | None, stride: int,
+                 options: dict[str, Any]) -> None:  # fmt: skip
+        self.closed = False
+        self.pid = os.getpid()
+        self.pending: Future[Any] | None = None
+        self._lock = threading.Lock()
+        self._stack = contextlib.ExitStack()
+        self.portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal(name="lakestream-torch"))
+        try:
+            self.loop_thread = self.portal.call(threading.get_ident)
+            cm = self.portal.wrap_async_context_manager(lakestream.open_reader(url, rank, world_size, **options))
+            self.reader = self._stack.enter_context(cm)
+            self.agen = _owned_steps(self.reader, start, stop, stride)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def next(self) -> Any:
+        """The next RankBatch, or _DONE. After an interrupted call, waits for the same batch."""
+        if self.pid != os.getpid():
+            raise RuntimeError("a StreamDataset iterator cannot be used in a forked process: create it there")
+        if self.pending is None:
+            self.pending = self.portal.start_task_soon(_anext, self.agen)
+        try:
+            return self.pending.result()  # raises the reader's error, if it failed
+        finally:
+            if self.pending.done():
+                self.pending = None
+
+    @property
+    def interrupted(self) -> bool:
+        """True if waiting for the next batch was interrupted (KeyboardInterrupt) while it runs."""
+        return self.pending is not None and not self.pending.done()
+
+    def close(self) -> None:
+        if self.pid != os.getpid():  # a copy in a forked process: the thread is not here
+            self.closed = True
+            return
+        if threading.get_ident() == getattr(self, "loop_thread", None):
+            # finalised by a garbage collection on the loop's own thread: it cannot wait for itself
+            threading.Thread(target=self.close, daemon=True, name="lakestream-torch-close").start()
+            return
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            try:
+                if self.interrupted:  # cancel what still runs
+                    with contextlib.suppress(RuntimeError):
+                        self.portal.call(self.portal.stop, True)
+                else:
+                    with contextlib.suppress(Exception):
+                        self.portal.call(_call, self.agen.aclose)
+            finally:
+                with contextlib.suppress(RuntimeError):  # RuntimeError: the portal was stopped above
+                    self._stack.close()
+
+
+def _close_source(source: _Source) -> None:
+    source.close()
+
+
+class _StreamIterator(Iterator[dict[str, Any]]):
+    def __init__(self, dataset: StreamDataset) -> None:
+        offset, stride = _shard()
+        self._dataset = dataset
+        self._track = stride == 1  # worker copies do not track: see the module docstring
+        start = dataset._next_step + offset
+        stop = dataset.stop
+        self._source: _Source | None = None
+        if stop is not None and start >= stop:
+            return
+        self._source = _Source(
+            dataset.url, dataset.rank, dataset.world_size, start, stop, stride, {"prefetch": dataset.prefetch, **dataset.reader_options}
+        )  # fmt: skip
+        self._finalizer = weakref.finalize(self, _close_source, self._source)
+
+    def __iter__(self) -> _StreamIterator:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._source is None:
+            raise StopIteration
+        try:
+            batch = self._source.next()
+        except BaseException:
+            if not self._source.interrupted:  # an error of the reader: it is finished
+                self.close()
+            raise
+        if batch is _DONE:
+            self.close()
+            raise StopIteration
+        if self._track:
+            self._dataset._next_step = batch.step + 1
+        return {"step": batch.step, "samples": [_convert(s) for s in batch.samples]}
+
+    def close(self) -> None:
+        """Stop reading: the reader and its event-loop thread are closed (also when exhausted or
+        garbage-collected)."""
+        if self._source is not None:
+            self._finalizer()
+            self._source = None
+
+    def __enter__(self) -> _StreamIterator:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class StreamDataset(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """This rank's slice of every step of a stream: one item `{"step", "samples"}` per step.
+
+    `rank`/`world_size`: see `resolve_rank` (explicit, else torch.distributed, else torchrun's
+    environment, else rank 0 of 1); the reader fails with ConfigMismatch if the stream has another
+    world size. `start`: the first step; `stop`: exclusive, None to follow the stream forever
+    (waiting for steps not committed yet). `prefetch`: committed steps fetched ahead.
+    `reader_options`: more `lakestream.open_reader` options (poll_interval, verify, …).
+
+    Use with `DataLoader(ds, batch_size=None)`. Each iterator runs its reader on an event loop in
+    a background thread, closed when the iterator is exhausted, closed or garbage-collected.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        rank: int | None = None,
+        world_size: int | None = None,
+        *,
+        start: int = 0,
+        stop: int | None = None,
+        prefetch: int = 4,
+        reader_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        _check_steps(start, stop)
+        self.url = os.fspath(url)
+        self.rank, self.world_size = resolve_rank(rank, world_size)
+        self.start = start
+        self.stop = stop
+        self.prefetch = prefetch
+        self.reader_options = dict(reader_options or {})
+        self._next_step = start
+
+    def __iter__(self) -> _StreamIterator:
+        return _StreamIterator(self)
+
+    def state_dict(self) -> dict[str, int]:
+        """`{"next_step": n}`: the step after the last one yielded (where the next iterator starts)."""
+        return {"next_step": self._next_step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Make the next iterator start at `state["next_step"]`."""
+        n = state["next_step"]
+        _check_steps(n, None)
+        self._next_step = n
+
+    def __repr__(self) -> str:
+        return f"StreamDataset({self.url!r}, rank={self.rank}, world_size={self.world_size}, next_step={self._next_step}, stop={self.stop})"
+
+
+# -- a mounted stream ---------------------------------------------------------------------------
+
+
+class _MountIterator(Iterator[dict[str, Any]]):
+    def __init__(self, dataset: MountDataset) -> None:
+        offset, self._stride = _shard()
+        self._dataset = dataset
+        self._track = self._stride == 1
+        self._step = dataset._next_step + offset
+        self._rank_dir = dataset._check_mount()
+
+    def __iter__(self) -> _MountIterator:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        stop = self._dataset.stop
+        if stop is not None and self._step >= stop:
+            raise StopIteration
+        step = self._step
+        samples = self._dataset.read_step(step)
+        self._step += self._stride
+        if self._track:
+            self._dataset._next_step = step + 1
+        return {"step": step, "samples": samples}
+
+
+class MountDataset(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """The same items as `StreamDataset`, read with plain file I/O from a `lakestream mount`.
+
+    For step n it lists `MOUNTPOINT/rank-<r>/<n:012d>/` (the mount's lookup waits for the step to
+    be committed, up to its `--wait`; after that this retries until `timeout`, None: forever),
+    reads `_meta.json` for the keys and files in put order, and decodes every `<key>.<field>` file
+    with `decode_file` (exact with `_meta.json`'s "types", else guessed from the extension).
+    Options and `state_dict` semantics as for `StreamDataset`.
+    """
+
+    def __init__(
+        self,
+        mountpoint: str | os.PathLike[str],
+        rank: int | None = None,
+        world_size: int | None = None,
+        *,
+        start: int = 0,
+        stop: int | None = None,
+        timeout: float | None = None,
+        retry_interval: float = 0.1,
+    ) -> None:
+        super().__init__()
+        _check_steps(start, stop)
+        self.mountpoint = os.fspath(mountpoint)
+        self.rank, self.world_size = resolve_rank(rank, world_size)
+        self.start = start
+        self.stop = stop
+        self.timeout = timeout
+        self.retry_interval = retry_interval
+        self._next_step = start
+
+    def __iter__(self) -> _MountIterator:
+        return _MountIterator(self)
+
+    def state_dict(self) -> dict[str, int]:
+        """`{"next_step": n}`: the step after the last one yielded (where the next iterator starts)."""
+        return {"next_step": self._next_step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Make the next iterator start at `state["next_step"]`."""
+        n = state["next_step"]
+        _check_steps(n, None)
+        self._next_step = n
+
+    def status(self) -> dict[str, Any]:
+        """The mount's `_status.json`."""
+        path = os.path.join(self.mountpoint, STATUS_NAME)
+        try:
+            with open(path, "rb") as f:
+                return orjson.loads(f.read())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: not found: is a lakestream mount serving at {self.mountpoint}?") from None
+
+    def _check_mount(self) -> str:
+        status = self.status()
+        w = status.get("world_size")
+        if self.world_size is not None and w is not None and w != self.world_size:
+            raise lakestream.ConfigMismatch(f"{self.mountpoint}: expected world size {self.world_size}, the stream has {w}")
+        if self.rank not in status.get("ranks", [self.rank]):
+            raise ValueError(f"{self.mountpoint}: the mount does not serve rank {self.rank} (it serves {status.get('ranks')})")
+        return os.path.join(self.mountpoint, f"rank-{self.rank}")
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.mountpoint, f"rank-{self.rank}", f"{step:012d}")
+
+    def read_step(self, step: int) -> list[dict[str, Any]]:
+        """This rank's samples of `step`, waiting for it to be committed."""
+        d = self.step_dir(step)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        misses = 0  # lookups that failed although the step was committed
+        while True:
+            try:
+                os.listdir(d)  # the lookup waits (up to the mount's --wait) for the step to commit
+                with open(os.path.join(d, META_NAME), "rb") as f:
+                    meta = orjson.loads(f.read())
+                break
+            except FileNotFoundError:
+                status = self.status()
+                if step < status["first_step"]:
+                    raise lakestream.StepUnavailable(
+                        f"{d}: step {step} was reclaimed (first readable step {status['first_step']})"
+                    ) from None
+                if step <= status["head_step"]:  # committed meanwhile: look again, once
+                    misses += 1
+                    if misses > 1:
+                        raise
+                    continue
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"{d}: step {step} not committed within {self.timeout} s") from None
+                time.sleep(self.retry_interval)
+        types: dict[str, str] = meta.get("types") or {}
+        by_key: dict[str, dict[str, Any]] = {key: {"__key__": key} for key in meta["keys"]}
+        for name in meta["files"]:
+            key, _, field = name.partition(".")
+            with open(os.path.join(d, name), "rb") as f:
+                data = f.read()
+            by_key[key][field] = decode_file(name, data, types.get(name))
+        return list(by_key.values())
+
+    def __repr__(self) -> str:
+        return f"MountDataset({self.mountpoint!r}, rank={self.rank}, next_step={self._next_step}, stop={self.stop})"
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+
+
+def checkpoint_hook(url: str | os.PathLike[str], rank: int | None = None) -> Callable[..., bool]:
+    """`hook(step, checkpoint_id=None) -> bool` that records, on rank 0, that the trainer's
+    checkpoint at `step` is durable (`lakestream.checkpoint`, run synchronously). Other ranks: a
+    no-op returning False.
+
+    Call it after the trainer's own checkpoint is durable (written, fsynced, renamed). `step` is
+    the last step the checkpoint has trained on (its dataset state's `next_step - 1`); the id
+    defaults to `step-<step>`. True if recorded, False if it already was. `rank`: see `resolve_rank`.
+    Must not be called from a thread running an event loop.
+    """
+    target = os.fspath(url)
+    r, _ = resolve_rank(rank)
+
+    def hook(step: int, checkpoint_id: str | None = None) -> bool:
+        if r != 0:
+            return False
+        cid = checkpoint_id if checkpoint_id is not None else f"step-{step}"
+        return anyio.run(lakestream.checkpoint, target, cid, step)
+
+    return hook
