@@ -33,6 +33,7 @@ from ._retry import retry
 from ._manifest import State
 from ._segment import EncodedSample, encode_sample, encode_segment
 from ._store import ObjectStore
+from ._tasks import cancel_task_group, enter_task_group
 
 __all__ = ["Producer", "ProducerStats", "parse_segment_key", "segment_key"]
 
@@ -128,8 +129,7 @@ class Producer:
         assert state.config is not None
         self.config = state.config
         version = await self._register()
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
+        self._tg = await enter_task_group()
         self._tg.start_soon(self._committer)
         if gc := self._gc_interval:
             self._tg.start_soon(self._collect_garbage, gc)
@@ -146,10 +146,8 @@ class Producer:
 
     async def aclose(self) -> None:
         """Stop at once: uploads and commits in progress are abandoned (never half-visible)."""
-        if self._tg is not None:
-            tg, self._tg = self._tg, None
-            tg.cancel_scope.cancel()
-            await tg.__aexit__(None, None, None)
+        tg, self._tg = self._tg, None
+        await cancel_task_group(tg)
 
     async def _register(self) -> int | None:
         def build(state: State) -> dict[str, Any] | None:

@@ -23,6 +23,7 @@ from ._manifest import State, Step
 from ._retry import retry
 from ._segment import FieldRef, check_slice, decode_slice, index_slice
 from ._store import ObjectStore
+from ._tasks import cancel_task_group, enter_task_group
 
 __all__ = ["RankBatch", "RawSlice", "Reader"]
 
@@ -114,18 +115,15 @@ class Reader:
         if self.rank is not None and self.rank >= w:
             raise ValueError(f"{self.url}: rank {self.rank} is out of range for world size {w}")
         self.world_size = w
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
+        self._tg = await enter_task_group()
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
-        if self._tg is not None:
-            tg, self._tg = self._tg, None
-            tg.cancel_scope.cancel()
-            await tg.__aexit__(None, None, None)
+        tg, self._tg = self._tg, None
+        await cancel_task_group(tg)
         self._fetches.clear()
 
     # -- following the log ---------------------------------------------------------------------
