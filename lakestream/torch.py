@@ -270,9 +270,8 @@ class _StreamIterator(Iterator[dict[str, Any]]):
         self._source: _Source | None = None
         if stop is not None and start >= stop:
             return
-        self._source = _Source(
-            dataset.url, dataset.rank, dataset.world_size, start, stop, stride, {"prefetch": dataset.prefetch, **dataset.reader_options}
-        )  # fmt: skip
+        options = {"prefetch": dataset.prefetch, **dataset.reader_options}
+        self._source = _Source(dataset.url, dataset.rank, dataset.world_size, start, stop, stride, options)
         self._finalizer = weakref.finalize(self, _close_source, self._source)
 
     def __iter__(self) -> _StreamIterator:
@@ -312,8 +311,9 @@ class StreamDataset(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     """This rank's slice of every step of a stream: one item `{"step", "samples"}` per step.
 
     `rank`/`world_size`: see `resolve_rank` (explicit, else torch.distributed, else torchrun's
-    environment, else rank 0 of 1); the reader fails with ConfigMismatch if the stream has another
-    world size. `start`: the first step; `stop`: exclusive, None to follow the stream forever
+    environment, else rank 0 of 1), resolved when the dataset is created (so create it after
+    `init_process_group`); the reader fails with ConfigMismatch if the stream has another world
+    size. `start`: the first step; `stop`: exclusive, None to follow the stream forever
     (waiting for steps not committed yet). `prefetch`: committed steps fetched ahead.
     `reader_options`: more `lakestream.open_reader` options (poll_interval, verify, …).
 
@@ -356,7 +356,10 @@ class StreamDataset(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self._next_step = n
 
     def __repr__(self) -> str:
-        return f"StreamDataset({self.url!r}, rank={self.rank}, world_size={self.world_size}, next_step={self._next_step}, stop={self.stop})"
+        return (
+            f"StreamDataset({self.url!r}, rank={self.rank}, world_size={self.world_size}, "
+            f"next_step={self._next_step}, stop={self.stop})"
+        )
 
 
 # -- a mounted stream ---------------------------------------------------------------------------
@@ -368,7 +371,7 @@ class _MountIterator(Iterator[dict[str, Any]]):
         self._dataset = dataset
         self._track = self._stride == 1
         self._step = dataset._next_step + offset
-        self._rank_dir = dataset._check_mount()
+        dataset._check_mount()
 
     def __iter__(self) -> _MountIterator:
         return self
@@ -438,14 +441,14 @@ class MountDataset(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         except FileNotFoundError:
             raise FileNotFoundError(f"{path}: not found: is a lakestream mount serving at {self.mountpoint}?") from None
 
-    def _check_mount(self) -> str:
+    def _check_mount(self) -> None:
         status = self.status()
         w = status.get("world_size")
         if self.world_size is not None and w is not None and w != self.world_size:
             raise lakestream.ConfigMismatch(f"{self.mountpoint}: expected world size {self.world_size}, the stream has {w}")
         if self.rank not in status.get("ranks", [self.rank]):
-            raise ValueError(f"{self.mountpoint}: the mount does not serve rank {self.rank} (it serves {status.get('ranks')})")
-        return os.path.join(self.mountpoint, f"rank-{self.rank}")
+            served = status.get("ranks")
+            raise ValueError(f"{self.mountpoint}: the mount does not serve rank {self.rank} (it serves {served})")
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.mountpoint, f"rank-{self.rank}", f"{step:012d}")

@@ -22,7 +22,10 @@ class ObjectStore(Protocol):
         """The whole object. Raises ObjectNotFound."""
 
     async def get_range(self, key: str, offset: int, length: int) -> bytes:
-        """`length` bytes from `offset` (fewer only at the end of the object). Raises ObjectNotFound."""
+        """`length` bytes from `offset` (fewer only at the end of the object). Raises ObjectNotFound.
+
+        May return any read-only bytes-like object (the file store maps large ranges).
+        """
 
     async def put(self, key: str, data: bytes) -> None:
         """Create or replace the object atomically."""

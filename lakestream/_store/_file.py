@@ -10,6 +10,7 @@ Blocking calls run in worker threads.
 
 from __future__ import annotations
 
+import mmap
 import os
 import uuid
 from pathlib import Path
@@ -19,6 +20,8 @@ import anyio.to_thread
 from .._errors import ObjectNotFound
 
 __all__ = ["FileStore"]
+
+MMAP_THRESHOLD = 1 << 20
 
 
 class FileStore:
@@ -39,6 +42,14 @@ class FileStore:
     def _read(self, key: str, offset: int, length: int | None) -> bytes:
         try:
             with open(self._path(key), "rb", buffering=0) as f:
+                if length is not None and length >= MMAP_THRESHOLD:
+                    size = os.fstat(f.fileno()).st_size
+                    if offset + length <= size:
+                        # Large ranges of immutable objects are mapped, not copied: the mapping
+                        # outlives the file's name (replace and delete only unlink it).
+                        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+                        m = mmap.mmap(f.fileno(), offset + length - base, offset=base, access=mmap.ACCESS_READ)
+                        return memoryview(m)[offset - base :]  # type: ignore[return-value]
                 if offset:
                     f.seek(offset)
                 if length is None:

@@ -110,28 +110,56 @@ def _handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     return wrapper
 
 
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """A fetched rank slice with what serving it needs: file names and `_meta.json`, computed once."""
+
+    entry: lakestream.Step
+    rank: int
+    data: memoryview
+    files: list[lakestream.FieldRef]
+    names: dict[bytes, int]  # file name -> index in `files`
+    meta: bytes  # the `_meta.json` content
+
+    @classmethod
+    def of(cls, raw: lakestream.RawSlice) -> Slice:
+        e, files = raw.entry, raw.files
+        names = {f"{f.key}.{f.field}".encode(): i for i, f in enumerate(files)}
+        meta = orjson.dumps(
+            {
+                "step": e.step, "rank": raw.rank, "version": e.version, "producer": e.producer,
+                "epoch": e.epoch, "seq": e.seq, "segment": e.segment, "samples": e.ranks[raw.rank].samples,
+                "keys": list(dict.fromkeys(f.key for f in files)),
+                "files": {f"{f.key}.{f.field}": f.length for f in files},
+                "types": {f"{f.key}.{f.field}": f.tag for f in files},
+            },
+            option=orjson.OPT_INDENT_2,
+        )  # fmt: skip
+        return cls(e, raw.rank, memoryview(raw.data), files, names, meta)
+
+
 @dataclass(slots=True)
 class _Pending:
     done: anyio.Event = field(default_factory=anyio.Event)
-    result: lakestream.RawSlice | None = None
+    result: Slice | None = None
     error: BaseException | None = None
 
 
 class SliceCache:
     """A bounded LRU of rank slices; concurrent gets of one slice share one fetch."""
 
-    def __init__(self, fetch: Callable[[int, int, int], Awaitable[lakestream.RawSlice]], capacity: int) -> None:
+    def __init__(self, fetch: Callable[[int, int, int], Awaitable[Slice]], capacity: int) -> None:
         self._fetch = fetch
         self.capacity = capacity
         self.nbytes = 0
         self.fetches = 0
-        self._slices: OrderedDict[tuple[int, int, int], lakestream.RawSlice] = OrderedDict()
+        self._slices: OrderedDict[tuple[int, int, int], Slice] = OrderedDict()
         self._pending: dict[tuple[int, int, int], _Pending] = {}
 
     def __contains__(self, key: tuple[int, int, int]) -> bool:
         return key in self._slices or key in self._pending
 
-    async def get(self, rank: int, step: int, version: int) -> lakestream.RawSlice:
+    async def get(self, rank: int, step: int, version: int) -> Slice:
         key = (rank, step, version)  # a rewind gives a step a new TGB at a new version
         hit = self._slices.get(key)
         if hit is not None:
@@ -157,7 +185,7 @@ class SliceCache:
         assert pending.result is not None
         return pending.result
 
-    def _insert(self, key: tuple[int, int, int], value: lakestream.RawSlice) -> None:
+    def _insert(self, key: tuple[int, int, int], value: Slice) -> None:
         self._slices[key] = value
         self.nbytes += len(value.data)
         while self.nbytes > self.capacity and len(self._slices) > 1:
@@ -202,6 +230,7 @@ class LakeFS(pyfuse3.Operations):
         self._rewinds = reader.state.rewinds
         self._max_head = reader.state.head
         self.closing = anyio.Event()
+        self._waiters = 0
         self.detached = False
         self.mountpoint = mountpoint
         self._checked_mount = time.monotonic()
@@ -223,7 +252,7 @@ class LakeFS(pyfuse3.Operations):
             while not self.closing.is_set():
                 old_head = max(self._max_head, self.state.head)
                 try:
-                    changed = await self.reader.refresh()
+                    changed = await self.reader.manifest.refresh()  # versions applied
                 except lakestream.StoreError as e:
                     log.warning("manifest poll failed (retrying): %s", e)
                     changed = None
@@ -238,6 +267,8 @@ class LakeFS(pyfuse3.Operations):
                     self._changed = anyio.Event()
                     self._prefetch()
                     self.cache.drop(lambda r, s, v: (e := self.state.step(s)) is not None and e.version == v)
+                elif self._waiters:
+                    interval = self.poll_min  # someone waits for a step: keep looking
                 else:
                     interval = min(interval * 2, self.poll_max)
                 with anyio.move_on_after(interval):
@@ -289,13 +320,13 @@ class LakeFS(pyfuse3.Operations):
         except Exception as e:  # the read that needs it will fetch again and report
             log.warning("prefetch of rank %d step %d failed: %s", rank, step, e)
 
-    async def _fetch(self, rank: int, step: int, version: int) -> lakestream.RawSlice:
+    async def _fetch(self, rank: int, step: int, version: int) -> Slice:
         entry = self.state.step(step)
         if entry is None or entry.version != version:
             raise lakestream.StepUnavailable(f"{self.reader.url}: step {step} is no longer retained")
-        return await self.reader.fetch_raw(entry, rank)
+        return Slice.of(await self.reader.fetch_raw(entry, rank))
 
-    async def _slice(self, rank: int, step: int, *, move: bool = True) -> lakestream.RawSlice:
+    async def _slice(self, rank: int, step: int, *, move: bool = True) -> Slice:
         entry = self.state.step(step)
         if entry is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
@@ -310,14 +341,18 @@ class LakeFS(pyfuse3.Operations):
         """True once `step` is committed; False if it is not retained, `wait` ran out, or the
         mount is shutting down."""
         deadline = time.monotonic() + self.wait
-        while step > self.state.head:
-            left = deadline - time.monotonic()
-            if left <= 0 or self.closing.is_set():
-                return False
-            self._poke.set()
-            changed = self._changed
-            with anyio.move_on_after(left):
-                await changed.wait()
+        self._waiters += 1
+        try:
+            while step > self.state.head:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.closing.is_set():
+                    return False
+                self._poke.set()
+                changed = self._changed
+                with anyio.move_on_after(left):
+                    await changed.wait()
+        finally:
+            self._waiters -= 1
         return step >= self.state.first_step
 
     def shutdown(self) -> None:
@@ -385,21 +420,8 @@ class LakeFS(pyfuse3.Operations):
             option=orjson.OPT_INDENT_2,
         )
 
-    def _meta_bytes(self, sl: lakestream.RawSlice) -> bytes:
-        e = sl.entry
-        return orjson.dumps(
-            {
-                "step": e.step, "rank": sl.rank, "version": e.version, "producer": e.producer,
-                "epoch": e.epoch, "seq": e.seq, "segment": e.segment, "samples": e.ranks[sl.rank].samples,
-                "keys": list(dict.fromkeys(f.key for f in sl.files)),
-                "files": {f"{f.key}.{f.field}": f.length for f in sl.files},
-                "types": {f"{f.key}.{f.field}": f.tag for f in sl.files},
-            },
-            option=orjson.OPT_INDENT_2,
-        )  # fmt: skip
-
-    def _file_attr(self, rank: int, step: int, sl: lakestream.RawSlice, index: int) -> pyfuse3.EntryAttributes:
-        size = len(self._meta_bytes(sl)) if index == META_INDEX else sl.files[index].length
+    def _file_attr(self, rank: int, step: int, sl: Slice, index: int) -> pyfuse3.EntryAttributes:
+        size = len(sl.meta) if index == META_INDEX else sl.files[index].length
         return self._attr(file_inode(rank, step, index), stat.S_IFREG | 0o444, size)
 
     def _rank_of(self, inode: int) -> int:
@@ -462,10 +484,9 @@ class LakeFS(pyfuse3.Operations):
             sl = await self._slice(r, step)
             if name == META_NAME:
                 return self._file_attr(r, step, sl, META_INDEX)
-            text = name.decode("utf-8", "surrogateescape")
-            for i, f in enumerate(sl.files):
-                if f"{f.key}.{f.field}" == text:
-                    return self._file_attr(r, step, sl, i)
+            index = sl.names.get(name)
+            if index is not None:
+                return self._file_attr(r, step, sl, index)
         raise pyfuse3.FUSEError(errno.ENOENT)
 
     @_handler
@@ -501,7 +522,7 @@ class LakeFS(pyfuse3.Operations):
                     return
         elif kind == "step":
             sl = await self._slice(r, step)
-            names = [(META_NAME, META_INDEX)] + [(f"{f.key}.{f.field}".encode(), i) for i, f in enumerate(sl.files)]
+            names = [(META_NAME, META_INDEX), *sl.names.items()]
             for i in range(start_id, len(names)):
                 name, index = names[i]
                 if not pyfuse3.readdir_reply(token, name, self._file_attr(r, step, sl, index), i + 1):
@@ -534,11 +555,11 @@ class LakeFS(pyfuse3.Operations):
         _, r, step, index = decode_inode(fh)
         sl = await self._slice(r, step)
         if index == META_INDEX:
-            return self._meta_bytes(sl)[off : off + size]
+            return sl.meta[off : off + size]
         f = sl.files[index]
         start = f.offset + min(off, f.length)
         end = f.offset + min(off + size, f.length)
-        return sl.data[start:end]
+        return sl.data[start:end]  # a memoryview: no copy before pyfuse3's own
 
     async def release(self, fh: int) -> None:
         self._status.pop(fh, None)
