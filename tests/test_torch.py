@@ -1,0 +1,554 @@
+"""`lakestream.torch`: StreamDataset, MountDataset (over a real FUSE mount), the checkpoint hook,
+and examples/train_torch.py under torchrun: a crash and a resume reproduce an uninterrupted run's
+losses bit for bit."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import torch  # the 'torch' extra (scripts/setup.sh installs it): a missing torch fails, never skips
+from torch.utils.data import DataLoader
+
+import lakestream
+from lakestream.torch import MountDataset, StreamDataset, checkpoint_hook, decode_file, resolve_rank
+
+ROOT = Path(__file__).parent.parent
+EXAMPLE = ROOT / "examples" / "train_torch.py"
+WORLD, BATCH = 2, 4  # 2 samples per rank per step
+
+
+# -- streams --------------------------------------------------------------------------------------
+
+
+def sample(i: int) -> dict[str, Any]:
+    return {
+        "__key__": f"k{i:05d}",
+        "x": np.arange(3, dtype=np.float32) + i,
+        "tokens": np.arange(i % 5 + 1, dtype=np.int32),
+        "txt": f"text {i}",
+        "json": {"i": i, "even": i % 2 == 0},
+        "bin": bytes([i % 256]) * (i % 3),
+        "cls": i % 3,  # JSON, and no telling extension: the mount needs _meta.json's "types"
+    }
+
+
+async def _produce(url: str, first: int, n: int, create: bool) -> None:
+    if create:
+        await lakestream.create(url, world_size=WORLD, global_batch=BATCH)
+    async with lakestream.open_producer(url, "p", policy="eager") as p:
+        for i in range(first, first + n):
+            await p.put(sample(i), cursor=i + 1)
+
+
+def make_stream(path: Path, steps: int) -> str:
+    url = f"file://{path}"
+    anyio.run(_produce, url, 0, steps * BATCH, True)
+    return url
+
+
+def add_steps(url: str, first_step: int, steps: int) -> None:
+    anyio.run(_produce, url, first_step * BATCH, steps * BATCH, False)
+
+
+def expected(rank: int, step: int) -> dict[str, Any]:
+    """The item StreamDataset yields: round-robin ranks, arrays as tensors."""
+    samples = []
+    for i in range(step * BATCH + rank, (step + 1) * BATCH, WORLD):
+        s = sample(i)
+        samples.append({k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in s.items()})
+    return {"step": step, "samples": samples}
+
+
+def assert_same(got: Any, want: Any, where: str = "item") -> None:
+    """Equal, with tensors compared by dtype, shape and values."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"{where}: {type(got).__name__}, expected a tensor"
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), f"{where}: {got} != {want}"
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and list(got) == list(want), f"{where}: fields {list(got)} != {list(want)}"
+        for k in want:
+            assert_same(got[k], want[k], f"{where}[{k!r}]")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), f"{where}: {len(got)} entries, expected {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same(g, w, f"{where}[{i}]")
+    else:
+        assert type(got) is type(want) and got == want, f"{where}: {got!r} != {want!r}"
+
+
+def portal_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("lakestream-torch")]
+
+
+def assert_no_leaked_threads(before: set[threading.Thread], timeout: float = 10.0) -> None:
+    """No reader thread is left, and every other new thread (anyio's idle workers of a closed
+    loop) exits soon."""
+    assert not portal_threads(), portal_threads()
+    deadline = time.monotonic() + timeout
+    while (extra := set(threading.enumerate()) - before) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not extra, f"threads left running: {extra}"
+
+
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A stream of 7 steps, world size 2, global batch 4."""
+    return make_stream(tmp_path_factory.mktemp("torch") / "stream", 7)
+
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def no_torchrun_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+# -- (a) StreamDataset ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_one_item_per_step_with_tensors_for_arrays(stream: str, rank: int) -> None:
+    before = set(threading.enumerate())
+    items = list(StreamDataset(stream, rank=rank, world_size=WORLD, stop=7))
+    assert [it["step"] for it in items] == list(range(7))
+    for item in items:
+        assert_same(item, expected(rank, item["step"]))
+        assert all(isinstance(s["x"], torch.Tensor) and s["x"].dtype == torch.float32 for s in item["samples"])
+    assert_no_leaked_threads(before)
+
+
+def test_start_stop_and_empty_range(stream: str) -> None:
+    assert [it["step"] for it in StreamDataset(stream, rank=0, start=3, stop=5)] == [3, 4]
+    assert list(StreamDataset(stream, rank=0, start=4, stop=4)) == []
+    with pytest.raises(ValueError):
+        StreamDataset(stream, rank=0, start=5, stop=4)
+
+
+def test_rank_and_world_size_from_torchrun_env(stream: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ds = StreamDataset(stream, stop=2)
+    assert (ds.rank, ds.world_size) == (1, 2)
+    assert_same(list(ds), [expected(1, 0), expected(1, 1)])
+    explicit = StreamDataset(stream, rank=0, stop=1)  # explicit wins over the environment
+    assert (explicit.rank, explicit.world_size) == (0, None)
+    assert_same(list(explicit), [expected(0, 0)])
+    assert checkpoint_hook(stream)(0) is False  # rank 1: a no-op
+
+
+def test_single_process_default_is_rank_0_of_1(stream: str) -> None:
+    assert resolve_rank() == (0, 1)
+    before = set(threading.enumerate())
+    with pytest.raises(lakestream.ConfigMismatch, match="world size 1, the stream has 2"):
+        iter(StreamDataset(stream))
+    with pytest.raises(lakestream.StreamNotFound):
+        iter(StreamDataset(stream + "-missing", rank=0))
+    assert_no_leaked_threads(before)
+
+
+def test_rank_from_torch_distributed_wins_over_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        assert resolve_rank() == (0, 1)
+        assert (StreamDataset("unused").rank, MountDataset("unused").world_size) == (0, 1)
+    finally:
+        dist.destroy_process_group()
+    assert resolve_rank() == (1, 2)
+
+
+def test_state_dict_and_resume(stream: str) -> None:
+    ds = StreamDataset(stream, rank=1, stop=7)
+    assert ds.state_dict() == {"next_step": 0}
+    for item in ds:
+        if item["step"] == 2:
+            break
+    assert ds.state_dict() == {"next_step": 3}
+    # a new iterator continues where the last one stopped
+    assert [it["step"] for it in ds] == [3, 4, 5, 6]
+    assert ds.state_dict() == {"next_step": 7}
+    assert list(ds) == []
+
+    restored = StreamDataset(stream, rank=1, stop=7)
+    restored.load_state_dict({"next_step": 3})
+    assert restored.state_dict() == {"next_step": 3}
+    assert_same(list(restored), [expected(1, s) for s in range(3, 7)])
+
+
+def test_dataloader_batch_size_none(stream: str) -> None:
+    ds = StreamDataset(stream, rank=0, stop=7)
+    got = []
+    for item in DataLoader(ds, batch_size=None):
+        got.append(item)
+        assert ds.state_dict() == {"next_step": item["step"] + 1}  # one item at a time: exact
+    assert_same(got, [expected(0, s) for s in range(7)])
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 3 workers on 2 CPUs
+def test_dataloader_workers_shard_steps_in_order(stream: str, workers: int) -> None:
+    ds = StreamDataset(stream, rank=1, stop=7)
+    ds.load_state_dict({"next_step": 1})
+    got = list(DataLoader(ds, batch_size=None, num_workers=workers))
+    assert [it["step"] for it in got] == list(range(1, 7))  # every step once, in order
+    assert_same(got, [expected(1, s) for s in range(1, 7)])
+    # documented: worker copies do not advance the dataset in this process
+    assert ds.state_dict() == {"next_step": 1}
+
+
+def test_follows_steps_committed_later(tmp_path: Path) -> None:
+    url = make_stream(tmp_path / "stream", 2)
+    before = set(threading.enumerate())
+    ds = StreamDataset(url, rank=0, reader_options={"poll_interval": (0.005, 0.05)})
+    it = iter(ds)
+    assert [next(it)["step"], next(it)["step"]] == [0, 1]
+    producer = threading.Thread(target=lambda: (time.sleep(0.3), add_steps(url, 2, 2)))
+    producer.start()
+    try:
+        t0 = time.monotonic()
+        assert_same(next(it), expected(0, 2))
+        assert time.monotonic() - t0 > 0.2  # it waited for the commit
+        assert_same(next(it), expected(0, 3))
+    finally:
+        producer.join()
+    assert ds.state_dict() == {"next_step": 4}
+    assert portal_threads()
+    it.close()  # stop following: the reader and its thread are closed
+    assert_no_leaked_threads(before)
+
+
+def test_iterators_close_their_thread(stream: str) -> None:
+    before = set(threading.enumerate())
+    ds = StreamDataset(stream, rank=0)  # follow forever
+    it = iter(ds)
+    next(it)
+    assert len(portal_threads()) == 1
+    it.close()
+    it.close()  # idempotent
+    assert not portal_threads()
+    with pytest.raises(StopIteration):
+        next(it)
+
+    it = iter(ds)  # garbage-collected while following
+    next(it)
+    del it
+    gc.collect()
+    assert not portal_threads()
+
+    for _ in DataLoader(ds, batch_size=None):  # a loop left early
+        break
+    gc.collect()
+    assert_no_leaked_threads(before)
+    assert ds.state_dict() == {"next_step": 3}
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_wait_resumes_or_closes(tmp_path: Path) -> None:
+    """A signal handler's exception (KeyboardInterrupt, say) while waiting for a step: next() waits
+    for the same step again, and close() cancels the wait instead of hanging."""
+    url = make_stream(tmp_path / "stream", 1)
+    before = set(threading.enumerate())
+
+    def interrupt(*_: Any) -> None:
+        raise Interrupted
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        it = iter(StreamDataset(url, rank=1, reader_options={"poll_interval": (0.005, 0.02)}))
+        assert next(it)["step"] == 0
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(Interrupted):
+            next(it)  # step 1 is not committed
+        add_steps(url, 1, 1)
+        assert_same(next(it), expected(1, 1))  # the same wait, resumed
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(Interrupted):
+            next(it)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    t0 = time.monotonic()
+    it.close()  # cancels the pending wait for step 2
+    assert time.monotonic() - t0 < 5
+    assert_no_leaked_threads(before)
+
+
+def test_datasets_pickle(stream: str, tmp_path: Path) -> None:
+    import pickle
+
+    ds = StreamDataset(stream, rank=1, stop=3)
+    ds.load_state_dict({"next_step": 1})
+    copy = pickle.loads(pickle.dumps(ds))
+    assert copy.state_dict() == {"next_step": 1} and (copy.rank, copy.stop) == (1, 3)
+    assert_same(list(copy), [expected(1, 1), expected(1, 2)])
+    m = pickle.loads(pickle.dumps(MountDataset(tmp_path, rank=1, start=2)))
+    assert (m.rank, m.state_dict()) == (1, {"next_step": 2})
+    with pytest.raises(FileNotFoundError, match="is a lakestream mount serving"):
+        iter(m)
+
+
+def test_checkpoint_hook_records_on_rank_0_only(tmp_path: Path) -> None:
+    url = make_stream(tmp_path / "stream", 3)
+    assert checkpoint_hook(url, rank=1)(1) is False
+    assert anyio.run(lakestream.load_state, url).checkpoints == []
+    hook = checkpoint_hook(url, rank=0)
+    assert hook(1) is True
+    assert hook(1) is False  # already recorded
+    assert hook(2, "mine") is True
+    assert [(c.id, c.step) for c in anyio.run(lakestream.load_state, url).checkpoints] == [("step-1", 1), ("mine", 2)]
+
+
+def test_decode_file() -> None:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, np.arange(4, dtype=">i4"))  # big-endian: made native
+    npy = buf.getvalue()
+    for name, tag in [("k.tokens", None), ("k.x.npy", None), ("k.x", "n")]:
+        value = decode_file(name, npy, tag)
+        assert_same(value, torch.arange(4, dtype=torch.int32))
+    assert decode_file("k.json", b'{"a": 1}') == {"a": 1}
+    assert decode_file("k.cls", b"7", "j") == 7
+    assert decode_file("k.cls", b"7") == b"7"  # no type, unknown extension: bytes
+    assert decode_file("k.txt", "é".encode()) == "é"
+    assert decode_file("k.json", b"{not json") == b"{not json"  # a guess that fails: bytes
+    assert decode_file("k.txt", b"abc", "b") == b"abc"  # the type wins over the extension
+    assert decode_file("k.bin", b"abc", "s") == "abc"
+    with pytest.raises(ValueError):
+        decode_file("k.bin", b"abc", "?")
+    buf = io.BytesIO()
+    np.save(buf, np.array(["a", "bc"]))  # no tensor type for strings: stays a numpy array
+    strings = decode_file("k.names", buf.getvalue(), "n")
+    assert isinstance(strings, np.ndarray) and strings.tolist() == ["a", "bc"]
+
+
+def test_import_lakestream_does_not_need_torch() -> None:
+    code = "import sys; sys.modules['torch'] = None; import lakestream; assert lakestream.open_reader; print('ok')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+# -- (b) MountDataset over a real mount ----------------------------------------------------------------
+
+
+def is_mounted(mountpoint: Path) -> bool:
+    target = os.path.abspath(mountpoint)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == target for line in f)
+
+
+class Mount:
+    """`lakestream mount URL MP` in a subprocess; stop() unmounts lazily and terminates it."""
+
+    def __init__(self, url: str, mountpoint: Path, log: Path) -> None:
+        if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+            pytest.fail("MountDataset tests need a FUSE mount: /dev/fuse is missing or not accessible", pytrace=False)
+        self.mountpoint, self.log_path = mountpoint, log
+        mountpoint.mkdir(parents=True, exist_ok=True)
+        with open(log, "wb") as f:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "lakestream._cli", "mount", url, str(mountpoint)],
+                stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                rc = self.proc.returncode
+                pytest.fail(f"lakestream mount exited with {rc} before serving:\n{self.log()}", pytrace=False)
+            try:
+                json.loads((self.mountpoint / "_status.json").read_bytes())
+                return
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"lakestream mount not serving within {timeout} s:\n{self.log()}", pytrace=False)
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if is_mounted(self.mountpoint):
+            subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True, timeout=30)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        assert not is_mounted(self.mountpoint), f"{self.mountpoint} is still mounted"
+
+
+@pytest.fixture
+def mounted(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """(url, mountpoint) of a 5-step stream mounted with `lakestream mount`."""
+    url = make_stream(tmp_path / "stream", 5)
+    m = Mount(url, tmp_path / "mnt", tmp_path / "mount.log")
+    try:
+        m.wait_ready()
+        yield url, m.mountpoint
+    finally:
+        m.stop()
+
+
+def test_mount_dataset_reads_the_same_items_as_the_stream(mounted: tuple[str, Path]) -> None:
+    url, mp = mounted
+    meta = json.loads((mp / "rank-0" / f"{0:012d}" / "_meta.json").read_bytes())
+    assert meta["types"]["k00000.cls"] == "j" and meta["types"]["k00000.x"] == "n"
+    for rank in range(WORLD):
+        ds = MountDataset(mp, rank=rank, world_size=WORLD, stop=5)
+        items = list(ds)
+        assert [it["step"] for it in items] == list(range(5))
+        assert_same(items, list(StreamDataset(url, rank=rank, stop=5)))
+        assert_same(items, [expected(rank, s) for s in range(5)])
+        assert ds.state_dict() == {"next_step": 5}
+
+    ds = MountDataset(mp, stop=5, rank=1)
+    ds.load_state_dict({"next_step": 2})
+    assert_same(list(DataLoader(ds, batch_size=None)), [expected(1, s) for s in range(2, 5)])
+    ds.load_state_dict({"next_step": 1})
+    got = list(DataLoader(ds, batch_size=None, num_workers=2))
+    assert [it["step"] for it in got] == [1, 2, 3, 4]
+    assert_same(got, [expected(1, s) for s in range(1, 5)])
+
+    with pytest.raises(lakestream.ConfigMismatch):
+        iter(MountDataset(mp, rank=0, world_size=3))
+
+
+def test_mount_dataset_waits_for_steps_committed_later(mounted: tuple[str, Path]) -> None:
+    url, mp = mounted
+    ds = MountDataset(mp, rank=0, start=4, stop=7)
+    producer = threading.Thread(target=lambda: (time.sleep(0.5), add_steps(url, 5, 2)))
+    producer.start()
+    try:
+        t0 = time.monotonic()
+        items = list(ds)
+        waited = time.monotonic() - t0
+    finally:
+        producer.join()
+    assert_same(items, [expected(0, s) for s in range(4, 7)])
+    assert waited > 0.4
+    assert ds.state_dict() == {"next_step": 7}
+
+
+# -- (c) training under torchrun: crash and resume reproduce the uninterrupted run ---------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(url: str, ckpt: Path, losses: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+        "--master-port", str(free_port()), str(EXAMPLE), "train", url, "--ckpt-dir", str(ckpt),
+        "--steps", "20", "--checkpoint-every", "5", "--losses", str(losses), *args,
+    ]  # fmt: skip
+    # its own process group, so that a timeout stops all of it: torchrun stops its workers (each in
+    # a process group of its own, with rank 0's producer) when terminated
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=TORCHRUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        err += f"\n[test] timed out after {TORCHRUN_TIMEOUT} s"
+    err += f"\n[test] {' '.join(args)}: {time.monotonic() - t0:.1f} s"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+TORCHRUN_TIMEOUT = 150.0
+
+
+def describe(r: subprocess.CompletedProcess[str], ckpt: Path) -> str:
+    log = ckpt / "producer.log"
+    producer = log.read_text(errors="replace") if log.exists() else ""
+    return f"exit {r.returncode}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}\n--- producer.log\n{producer}"
+
+
+def read_losses(path: Path) -> list[tuple[int, float]]:
+    out = []
+    for line in path.read_text().splitlines():
+        step, value = line.split()
+        out.append((int(step), float.fromhex(value)))
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_crash_and_resume_reproduce_the_uninterrupted_losses_bit_for_bit(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    ref, crash = tmp_path / "ref", tmp_path / "crash"
+    ref_url, crash_url = f"file://{ref}/stream", f"file://{crash}/stream"
+
+    r = torchrun(ref_url, ref / "ckpt", ref / "losses.txt")
+    assert r.returncode == 0, describe(r, ref / "ckpt")
+    full = read_losses(ref / "losses.txt")
+    assert [s for s, _ in full] == list(range(20))
+    assert full[-1][1] < full[0][1] / 2, f"the model does not learn: {full}"
+    t1 = time.monotonic()
+
+    r = torchrun(crash_url, crash / "ckpt", crash / "killed.txt", "--kill-at", "13")
+    assert r.returncode != 0 and re.search(r"exitcode\s*:\s*17\b", r.stderr), describe(r, crash / "ckpt")
+    killed = read_losses(crash / "killed.txt")
+    assert killed == full[:13]  # steps 0..12, then the crash
+    assert sorted(p.name for p in (crash / "ckpt").glob("ckpt-*.pt")) == ["ckpt-000000004.pt", "ckpt-000000009.pt"]
+    t2 = time.monotonic()
+
+    r = torchrun(crash_url, crash / "ckpt", crash / "resumed.txt", "--resume")
+    assert r.returncode == 0, describe(r, crash / "ckpt")
+    assert "resumed from ckpt-000000009.pt, next step 10" in r.stdout, describe(r, crash / "ckpt")
+    resumed = read_losses(crash / "resumed.txt")
+    assert [s for s, _ in resumed] == list(range(10, 20))
+    # bit for bit: the same floats (compared exactly, as their hex spelling too)
+    assert [v.hex() for _, v in resumed] == [v.hex() for _, v in full[10:]]
+    assert killed[:10] + resumed == full
+
+    # every trainer checkpoint was recorded in the stream, the newest three retained
+    state = anyio.run(lakestream.load_state, crash_url)
+    assert [(c.id, c.step) for c in state.checkpoints] == [("step-9", 9), ("step-14", 14), ("step-19", 19)]
+    assert state.head == 19 and state.producers["features"].cursor == 20 * 16
+    assert [(c.id, c.step) for c in anyio.run(lakestream.load_state, ref_url).checkpoints][-1] == ("step-19", 19)
+    report = anyio.run(lakestream.verify, crash_url)
+    assert report.ok, report.problems
+    print(f"torchrun: uninterrupted {t1 - t0:.1f} s, killed {t2 - t1:.1f} s, resumed {time.monotonic() - t2:.1f} s")
