@@ -9,6 +9,7 @@
     ├── StreamNotFound                   no stream at this URL (also FileNotFoundError)
     ├── ConfigMismatch                   init over a stream with another config (also ValueError)
     ├── ProducerFenced                   a newer incarnation of this producer registered
+    ├── SegmentLost                      an uploaded segment vanished before its commit
     ├── CorruptData                      a checksum or format check failed
     ├── InvalidSample                    a sample, key, field or cursor is unusable (also ValueError)
     └── StepUnavailable                  a step was reclaimed or discarded (also LookupError)
@@ -27,6 +28,7 @@ __all__ = [
     "LakestreamError",
     "ObjectNotFound",
     "ProducerFenced",
+    "SegmentLost",
     "StepUnavailable",
     "StoreError",
     "StoreUnavailable",
@@ -76,6 +78,13 @@ class ConfigMismatch(LakestreamError, ValueError):
 
 class ProducerFenced(LakestreamError):
     """A newer incarnation of this producer registered; this one may not commit."""
+
+
+class SegmentLost(LakestreamError):
+    """A producer's uploaded segment was deleted (by GC, as an old orphan) before its commit.
+
+    Nothing refers to it; restart the producer and it re-produces from its last committed cursor.
+    """
 
 
 class CorruptData(LakestreamError):

@@ -27,7 +27,7 @@ import orjson
 
 from ._batching import assign_ranks
 from ._dac import AttemptOutcome, CommitPolicy, Observation, make_policy
-from ._errors import InvalidSample, ProducerFenced
+from ._errors import InvalidSample, ObjectNotFound, ProducerFenced, SegmentLost
 from ._log import Manifest
 from ._retry import retry
 from ._manifest import State
@@ -38,6 +38,8 @@ from ._tasks import cancel_task_group, enter_task_group
 __all__ = ["Producer", "ProducerStats", "parse_segment_key", "segment_key"]
 
 log = logging.getLogger("lakestream.producer")
+
+RECHECK_AFTER = 300.0  # seconds a TGB may wait uncommitted before its segment is checked again
 
 
 def segment_key(producer: str, epoch: int, seq: int, now: float) -> str:
@@ -67,6 +69,7 @@ class _Tgb:
     segment: str = ""
     ranks: list[list[int]] = field(default_factory=list)
     uploaded: bool = False
+    checked_at: float = -1.0  # when its segment was last seen to exist
 
 
 @dataclass(slots=True)
@@ -332,6 +335,21 @@ class Producer:
             ready.append(t)
         return ready
 
+    async def _check_old_segments(self, ready: list[_Tgb]) -> None:
+        """GC deletes uncommitted segments older than its orphan grace (an hour by default). A TGB
+        held that long (back-pressure, a long outage) is checked before a commit names it."""
+        now = self._clock()
+        for t in ready:
+            if now - max(t.sealed_at, t.checked_at) > RECHECK_AFTER:
+                try:
+                    await retry(lambda: self.store.get_range(t.segment, 0, 1))
+                except ObjectNotFound:
+                    raise SegmentLost(
+                        f"{self.manifest.url}: producer {self.id!r}: segment {t.segment} of TGB {t.seq} was deleted "
+                        f"after {now - t.sealed_at:.0f} s uncommitted (GC orphan grace); restart the producer"
+                    ) from None
+                t.checked_at = now
+
     def _drop_committed(self, state: State) -> None:
         p = state.producers.get(self.id)
         if p is None or p.epoch != self.epoch:
@@ -349,6 +367,7 @@ class Producer:
         self.cursor = p.cursor
 
     async def _commit(self, ready: list[_Tgb], *, fresh: bool = False) -> None:
+        await self._check_old_segments(ready)
         group = {t.seq for t in ready}
         started = self._clock()
         before = self._committed_seq

@@ -190,3 +190,30 @@ async def test_producers_can_collect_garbage_in_the_background() -> None:
                 await anyio.sleep(0.02)
     state = await lakestream.load_state(store)
     assert sorted(await store.list("segments/")) == sorted(s.segment for s in state.steps)
+
+
+async def test_a_segment_deleted_before_its_commit_is_never_committed() -> None:
+    """GC may delete an upload held longer than its orphan grace; the producer must notice."""
+    store = MemoryStore()
+    await lakestream.create(store, world_size=1, global_batch=1, max_steps_ahead=1)
+    now = [0.0]
+    p = lakestream.Producer(store, "p", clock=lambda: now[0])
+    await p.__aenter__()
+    try:
+        await p.put({"txt": "0"}, cursor=1)
+        await p.flush()
+        await p.put({"txt": "1"}, cursor=2)  # held by back-pressure: no checkpoint yet
+        with anyio.fail_after(5):
+            while len(await store.list("segments/")) < 2:
+                await anyio.sleep(0.01)
+        held = [k for k in await store.list("segments/") if k not in {s.segment for s in (await lakestream.load_state(store)).steps}]
+        await store.delete(held)  # what GC does to an orphan older than its grace
+        now[0] += 3600
+        await lakestream.checkpoint(store, "c", 0)
+        with pytest.raises(lakestream.SegmentLost, match="was deleted after 3600 s uncommitted"):
+            with anyio.fail_after(10):
+                await p.flush()
+    finally:
+        await p.aclose()
+    state = await lakestream.load_state(store)
+    assert state.head == 0 and state.producers["p"].cursor == 1 and (await lakestream.verify(store)).ok
