@@ -19,9 +19,13 @@ probability that grows like 1 - exp(-ρ); each collision costs a wasted PUT and,
   `activity_window` seconds. L is an EWMA of this producer's own attempt latencies.
 * **Group.** Every TGB that became ready while waiting goes into the one commit, so throughput is
   carried by group size, not by commit rate: g ≈ rate · T TGBs per commit.
-* **AIMD on conflict.** A lost race multiplies m by `backoff` (up to `max_multiplier`); each clean
-  commit takes `recovery` off it (down to 1). This corrects for a wrong N (producers that appear
-  or vanish) and for latency the EWMA has not caught yet.
+* **Back off on conflict.** A lost race multiplies m by `backoff` (up to `max_multiplier`); each
+  clean commit multiplies it by 1 - `recovery` (down to 1), so m settles where about one commit in
+  five meets a lost race. This corrects for a wrong N (producers that appear or vanish) and for
+  latency the EWMA has not caught yet. L is the latency of the slot itself: the read that found
+  the tail plus the put, not the catch-up reads of others' versions nor waits after lost races.
+  N only decays slowly (by `n_decay` per decision) from its recent peak, because producers that
+  keep losing races leave no records for the window to count.
 * **Jitter.** The wait is drawn uniformly in [½T, 1½T] from an injected random number, so
   producers that started together drift apart instead of colliding forever.
 * **Listen before talk.** When others are active, the committer reads the log up to its tail right
@@ -149,6 +153,7 @@ class DacPolicy(CommitPolicy):
     latency_alpha: float = 0.2
     initial_latency: float = 0.05
     max_group: int = 1024
+    n_decay: float = 0.98
     rng: random.Random = field(default_factory=random.Random)
     name = "dac"
     multiplier: float = 1.0
@@ -165,6 +170,7 @@ class DacPolicy(CommitPolicy):
             raise ValueError(f"max_commit_delay must be >= 0, got {self.max_commit_delay}")
         self.latency = self.initial_latency
         self._active = 1
+        self._peak = 1.0
         self.activity_window = max(2.0, 2 * self.max_commit_delay)
 
     def interval(self, active: int) -> float:
@@ -180,12 +186,15 @@ class DacPolicy(CommitPolicy):
         # Jitter both the paced interval and the ceiling: producers held at the ceiling would
         # otherwise keep the phase they have, and two that collided once would collide forever.
         u = self.rng.random()
-        fair = self.interval(obs.active_producers) / self.multiplier
+        # N only falls slowly: producers that keep losing races write nothing the window sees.
+        self._peak = max(float(obs.active_producers), self._peak * self.n_decay)
+        n = max(obs.active_producers, round(self._peak))
+        fair = self.interval(n) / self.multiplier
         t = self.multiplier * fair * (0.5 + u)
         # The ceiling holds while the slot can carry it (fair <= max_commit_delay). Beyond that,
         # holding it would only trade latency for collisions that cost both, so it stretches to
         # the fair share: throughput stays up and latency grows with N.
-        ceiling = max(self.max_commit_delay, fair) * (0.75 + 0.25 * u) - obs.oldest_age - self.latency
+        ceiling = max(self.max_commit_delay, self.multiplier * fair) * (0.75 + 0.25 * u) - obs.oldest_age - self.latency
         self.activity_window = max(2.0, 2 * self.max_commit_delay, 3 * fair)
         return Decision(max(0.0, min(t, ceiling)), group, not alone)
 
@@ -196,12 +205,11 @@ class DacPolicy(CommitPolicy):
 
     def observe(self, outcome: AttemptOutcome) -> None:
         if outcome.latency > 0:
-            per_try = outcome.latency / (1 + outcome.conflicts)
-            self.latency += self.latency_alpha * (per_try - self.latency)
+            self.latency += self.latency_alpha * (outcome.latency - self.latency)
         if outcome.conflicts:
             self.multiplier = min(self.max_multiplier, self.multiplier * self.backoff**outcome.conflicts)
         else:
-            self.multiplier = max(1.0, self.multiplier - self.recovery)
+            self.multiplier = max(1.0, self.multiplier * (1 - self.recovery))
 
 
 POLICIES = {"dac": DacPolicy, "eager": EagerPolicy, "backoff": BackoffPolicy, "interval": IntervalPolicy}

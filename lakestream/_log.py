@@ -118,6 +118,8 @@ class Manifest:
         self.confirmed_at = -math.inf  # clock() when the tail was last confirmed
         self.requests = 0  # store requests made for the log (for cost accounting)
         self.last_conflicts = 0
+        self.last_probe_latency = 0.0  # the read round that found the tail, last time
+        self.last_put_latency = 0.0  # the last conditional put
         self._window = 1.0  # EWMA of versions found per refresh: where the next one starts probing
 
     @property
@@ -152,7 +154,7 @@ class Manifest:
                 data = await self._get(snapshot_key(v))
                 self.requests += 1
                 if data is not None:
-                    return State.from_json(data)
+                    return await anyio.to_thread.run_sync(State.from_json, data)
             except (ValueError, KeyError, TypeError):
                 pass
         return await self._newest_listed_snapshot()
@@ -165,7 +167,7 @@ class Manifest:
             self.requests += 1
             if data is not None:
                 try:
-                    return State.from_json(data)
+                    return await anyio.to_thread.run_sync(State.from_json, data)
                 except ValueError:
                     continue
         return None
@@ -201,6 +203,7 @@ class Manifest:
             self.requests += window
             for i, data in enumerate(results):
                 if data is None:
+                    self.last_probe_latency = self.clock() - started
                     self.confirmed_at = started
                     self._window += 0.25 * (found + 1 - self._window)
                     return applied
@@ -245,7 +248,9 @@ class Manifest:
                 version = self.state.version + 1
                 data = encode_record(record)
                 self.requests += 1
+                put_started = self.clock()
                 won = await self.store.put_if_absent(log_key(version), data)
+                self.last_put_latency = self.clock() - put_started
             except StoreUnavailable as e:
                 failures += 1
                 if e.retried or failures > self.retries:

@@ -369,7 +369,6 @@ class Producer:
     async def _commit(self, ready: list[_Tgb], *, fresh: bool = False) -> None:
         await self._check_old_segments(ready)
         group = {t.seq for t in ready}
-        started = self._clock()
         before = self._committed_seq
 
         def build(state: State) -> dict[str, Any] | None:
@@ -392,9 +391,10 @@ class Producer:
         finally:
             self.stats.conflicts += self.manifest.last_conflicts
         self._drop_committed(self.manifest.state)
-        self._policy.observe(
-            AttemptOutcome(self._clock() - started, self.manifest.last_conflicts, self._committed_seq - before)
-        )
+        # The slot's latency: the read that found the tail and the put that took it; not the
+        # catch-up reads of what others wrote meanwhile, nor waits after lost races.
+        slot = self.manifest.last_probe_latency + self.manifest.last_put_latency
+        self._policy.observe(AttemptOutcome(slot, self.manifest.last_conflicts, self._committed_seq - before))
         if version is not None:
             self.stats.commits += 1
             self._appended(version)

@@ -13,6 +13,7 @@ from ._errors import StoreUnavailable
 __all__ = ["retry"]
 
 T = TypeVar("T")
+_RNG = random.Random()
 
 
 async def retry(
@@ -29,7 +30,7 @@ async def retry(
     Only for idempotent calls (a get, a put of a fresh unique key). Raises the last error, and at
     once an error the store itself already retried.
     """
-    rng = rng or random.Random()
+    rng = rng or _RNG
     for attempt in range(attempts):
         try:
             return await call()

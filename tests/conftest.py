@@ -25,11 +25,11 @@ def s3_server() -> Iterator[S3Server]:
 
 @pytest.fixture
 def s3_url(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
-    """A fresh bucket's `s3://BUCKET/PREFIX`, with the AWS_* variables set so `open_store(url)` works."""
+    """A fresh, empty `s3://BUCKET/PREFIX`, with the AWS_* variables set so `open_store(url)` works."""
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
-    return s3_server.new_bucket()
+    return s3_server.new_stream()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -68,6 +68,7 @@ class S3Server:
         self.region = REGION
         self.dir = Path(tempfile.mkdtemp(prefix="lakestream-weed-"))
         self.proc: subprocess.Popen[bytes] | None = None
+        self._shared: str | None = None
         self.endpoint_url = ""
         self._log_path = self.dir / "weed.log"
 
@@ -129,6 +130,9 @@ class S3Server:
         ]
         self.endpoint_url = f"http://127.0.0.1:{s3}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        # Each bucket reserves 7 volumes by default, and the disk here holds ~77: bucket 12 would
+        # fail every put with InternalError ("no writable volumes"). One copy per bucket instead.
+        env["WEED_MASTER_VOLUME_GROWTH_COPY_1"] = "1"
         with open(self._log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 args, cwd=self.dir, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
@@ -186,6 +190,13 @@ class S3Server:
             return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+    def new_stream(self) -> str:
+        """A fresh, empty `s3://BUCKET/PREFIX`: a unique prefix in one bucket shared by the session
+        (a stream is a prefix; buckets are a scarce resource of the test server)."""
+        if self._shared is None:
+            self._shared = self.new_bucket("").removeprefix("s3://")
+        return f"s3://{self._shared}/{uuid.uuid4().hex[:12]}/stream"
 
     def new_bucket(self, prefix: str = "stream") -> str:
         """Create a fresh, empty bucket and return `s3://BUCKET/PREFIX` in it."""

@@ -230,6 +230,7 @@ async def test_file_list_never_shows_temp_files(tmp_path: Path) -> None:
 async def test_s3_url_and_options(s3_server: S3Server, s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from lakestream._store._s3 import S3Store
 
+    s3_url = s3_server.new_bucket()  # this test looks at the whole bucket
     for name in s3_server.env():
         monkeypatch.delenv(name)
     store = S3Store.from_url(
