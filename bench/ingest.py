@@ -1,0 +1,551 @@
+"""Ingest benchmark: producer MB/s, reader MB/s per rank, and read amplification.
+
+    .venv/bin/python bench/ingest.py            # full run, a few minutes
+    .venv/bin/python bench/ingest.py --quick    # under a minute: fewer samples per config
+
+For each store (`file://` in a temp dir; SeaweedFS started here on free loopback ports), each
+producer count (1 and 4: coroutines in this one process, each with its own store client) and each
+sample size (4 KiB, 1 MiB, 16 MiB of os.urandom bytes, one `bin` field per sample):
+
+1. ingest: the producers `put` their samples and `close` (everything committed); MB/s is payload
+   bytes over the time from the moment all producers are registered until the last close returns
+   (registration is timed apart: `reg s`). Stores are durable (the file store fsyncs, the default).
+2. read: one reader per rank, one rank at a time (as if each rank were alone on its host), reads
+   every step with `Reader.steps()`, which range-GETs, CRC-checks and decodes its slices (default
+   prefetch 4). MB/s is the rank-slice bytes (sum of `batch.nbytes`) over the time from the first
+   `steps()` iteration to the last batch (opening the reader, i.e. loading the manifest, is a
+   one-off and not timed). Each rank's figure sums several passes (a fresh reader each) to at
+   least --reps passes and --min-seconds; the table shows the median over ranks.
+3. baseline, same ranks, passes interleaved with the reader's (same page-cache state, same rule):
+   `file://`: plain `open()` + `seek` + `read(length)` of each step's rank range of the segment
+   files, one after the other; S3: plain aiobotocore range GETs of the same ranges, as many in
+   flight as the reader keeps (1 + prefetch), no checks, no decoding.
+4. read amplification = `Reader.bytes_fetched` / sum of `batch.nbytes`; "store amp." counts every
+   byte the reader got from its store (manifest log included) over the same denominator.
+5. diagnostics (a second table): each TGB's seal-to-commit latency (`ProducerStats.ready_to_visible`)
+   and the process's minor page faults per MiB the readers returned.
+
+Targets (file://): reader MB/s at least 0.5x the plain-read baseline; read amplification <= 1.02.
+The verdicts are printed; nothing is tuned to meet them. The 1-minute load average is printed at
+the start and the end: figures from a machine busy with other work vary a lot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import shlex
+import shutil
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (
+    KiB,
+    MiB,
+    SeaweedS3,
+    fmt_bytes,
+    format_table,
+    load_average,
+    machine_description,
+    mb_per_s,
+    median,
+    random_pool,
+    removing,
+    temp_dir,
+)
+
+import lakestream
+from lakestream._log import log_key  # the baseline's warm-up GET
+
+WORLD_SIZE = 4
+TGB_BYTES = 16 * MiB  # global batch = TGB_BYTES / sample size, at least one sample per rank
+PREFETCH = 4  # the Reader default, stated here so the S3 baseline keeps as many GETs in flight
+READ_AMP_TARGET = 1.02
+RATIO_TARGET = 0.5
+
+
+# -- a store wrapper that counts what the reader gets ------------------------------------------
+
+
+class CountingStore:
+    """Delegates to `inner`, counting GET requests and bytes (manifest log included)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.get_bytes = 0
+        self.gets = 0
+
+    async def get(self, key: str) -> bytes:
+        data = await self.inner.get(key)
+        self.gets += 1
+        self.get_bytes += len(data)
+        return data
+
+    async def get_range(self, key: str, offset: int, length: int) -> bytes:
+        data = await self.inner.get_range(key, offset, length)
+        self.gets += 1
+        self.get_bytes += len(data)
+        return data
+
+    async def put(self, key: str, data: bytes) -> None:
+        await self.inner.put(key, data)
+
+    async def put_if_absent(self, key: str, data: bytes) -> bool:
+        return await self.inner.put_if_absent(key, data)
+
+    async def list(self, prefix: str) -> list[str]:
+        return await self.inner.list(prefix)
+
+    async def delete(self, keys: list[str]) -> None:
+        await self.inner.delete(keys)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    def __getattr__(self, name: str) -> Any:  # anything the protocol grows later
+        return getattr(self.inner, name)
+
+    async def __aenter__(self) -> CountingStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+# -- one configuration -------------------------------------------------------------------------
+
+
+@dataclass
+class Backend:
+    name: str  # "file" or "s3"
+    s3: SeaweedS3 | None = None
+    tmp: Path | None = None
+    n: int = 0
+
+    def new_url(self) -> str:
+        self.n += 1
+        if self.s3 is not None:
+            return self.s3.new_stream(f"stream-{self.n}")
+        assert self.tmp is not None
+        return f"file://{self.tmp}/stream-{self.n}"
+
+    def store(self, url: str) -> Any:
+        if self.s3 is not None:
+            return self.s3.store(url)
+        return lakestream.open_store(url)
+
+    def discard(self, url: str) -> None:
+        """Free the disk (and page cache) of a measured file:// stream; S3 data goes with the server."""
+        if self.s3 is None:
+            shutil.rmtree(url[len("file://") :], ignore_errors=True)
+
+
+@dataclass
+class Result:
+    store: str
+    producers: int
+    sample: int
+    global_batch: int
+    steps: int
+    payload: int
+    register_s: float
+    ingest_s: float  # the fastest ingest run
+    ingest_runs: list[float]  # MB/s of every ingest run
+    commits: int
+    attempts: int
+    reader: list[float]  # MB/s per (rank, rep)
+    baseline: list[float]
+    read_amp: float
+    store_amp: float
+    faults_per_mib: float  # minor page faults of the process per MiB read, reader passes
+    visible: list[float]  # each TGB's seconds from sealed to committed (ProducerStats.ready_to_visible)
+
+    @property
+    def ingest_mbs(self) -> float:
+        return mb_per_s(self.payload, self.ingest_s)
+
+    @property
+    def ratio(self) -> float:
+        return median(self.reader) / median(self.baseline)
+
+
+async def produce(
+    backend: Backend, url: str, producers: int, per_producer: int, pool: list[bytes]
+) -> tuple[float, float, list[Any]]:
+    """Run the producers; (registration seconds, ingest seconds, their stats)."""
+    registered = 0
+    all_registered = anyio.Event()
+    t_reg0 = time.perf_counter()
+    t_start = 0.0
+    stats: list[Any] = []
+
+    async def one(k: int) -> None:
+        nonlocal registered, t_start
+        async with backend.store(url) as store, lakestream.open_producer(store, f"producer-{k}") as p:
+            stats.append(p.stats)
+            registered += 1
+            if registered == producers:
+                t_start = time.perf_counter()
+                all_registered.set()
+            await all_registered.wait()
+            n = len(pool)
+            base = k * per_producer
+            for i in range(per_producer):
+                await p.put({"bin": pool[(base + i) % n]}, cursor=i + 1)
+            # leaving the block closes: commits everything and waits for it
+
+    async with anyio.create_task_group() as tg:
+        for k in range(producers):
+            tg.start_soon(one, k)
+    t_end = time.perf_counter()
+    return t_start - t_reg0, t_end - t_start, stats
+
+
+async def read_rank(inner: Any, rank: int, steps: int) -> tuple[float, int, int, int, int]:
+    """One pass of a fresh reader over `rank`'s slices of every step, on store `inner` (shared by
+    the passes, as one process shares its store; each pass counts its own GETs).
+
+    (seconds, slice bytes, Reader.bytes_fetched, store GET bytes, minor page faults). The clock
+    runs from the first `steps()` iteration to the last batch: opening the reader (loading the
+    manifest, a one-off per reader) is not in it, but the store bytes include it.
+    """
+    store = CountingStore(inner)
+    nbytes = 0
+    async with lakestream.open_reader(store, rank, WORLD_SIZE, prefetch=PREFETCH) as reader:
+        f0 = minor_faults()
+        t0 = time.perf_counter()
+        async for batch in reader.steps(0, steps):
+            nbytes += batch.nbytes
+        seconds = time.perf_counter() - t0
+        faults = minor_faults() - f0
+        fetched = reader.bytes_fetched
+    return seconds, nbytes, fetched, store.get_bytes, faults
+
+
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def baseline_file(root: Path, state: Any, rank: int) -> tuple[float, int]:
+    """Plain reads of each step's rank range from the segment files; (seconds, bytes)."""
+    total = 0
+    t0 = time.perf_counter()
+    for n in range(state.first_step, state.head + 1):
+        entry = state.step(n)
+        r = entry.ranks[rank]
+        with open(root.joinpath(*entry.segment.split("/")), "rb", buffering=0) as f:
+            f.seek(r.offset)
+            data = f.read(r.length)
+        total += len(data)
+    return time.perf_counter() - t0, total
+
+
+@asynccontextmanager
+async def raw_s3_client(s3: SeaweedS3, url: str) -> AsyncIterator[Any]:
+    """A plain aiobotocore client for the baseline, warmed up (credentials, connection) with a
+    GET of the stream's first log record, as the reader's `open` warms its own."""
+    import aiobotocore.session
+    from aiobotocore.config import AioConfig
+
+    bucket, _, prefix = url[len("s3://") :].partition("/")
+    config = AioConfig(
+        s3={"addressing_style": "path"},
+        retries={"total_max_attempts": 1},
+        max_pool_connections=64,
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    async with aiobotocore.session.get_session().create_client("s3", config=config, **s3.store_options()) as client:
+        resp = await client.get_object(Bucket=bucket, Key=f"{prefix}/{log_key(0)}")
+        async with resp["Body"] as body:
+            await body.read()
+        yield client
+
+
+async def baseline_s3(client: Any, url: str, state: Any, rank: int) -> tuple[float, int]:
+    """Plain range GETs of the rank's ranges, 1 + PREFETCH in flight; (seconds, bytes)."""
+    bucket, _, prefix = url[len("s3://") :].partition("/")
+    total = 0
+    sem = anyio.Semaphore(1 + PREFETCH)
+
+    async def get(key: str, offset: int, length: int) -> None:
+        nonlocal total
+        try:
+            resp = await client.get_object(Bucket=bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}")
+            async with resp["Body"] as body:
+                data = await body.read()
+            total += len(data)
+        finally:
+            sem.release()
+
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for n in range(state.first_step, state.head + 1):
+            r = state.step(n).ranks[rank]
+            await sem.acquire()
+            tg.start_soon(get, f"{prefix}/{state.step(n).segment}", r.offset, r.length)
+    return time.perf_counter() - t0, total
+
+
+async def run_config(
+    backend: Backend,
+    producers: int,
+    sample: int,
+    target_payload: int,
+    ingest_reps: int,
+    reps: int,
+    min_seconds: float,
+    pool: list[bytes],
+) -> Result:
+    gb = max(WORLD_SIZE, TGB_BYTES // sample)
+    # Whole TGBs only, at least one per producer, about target_payload bytes in all.
+    tgbs_per_producer = max(1, round(target_payload / (sample * gb * producers)))
+    per_producer = tgbs_per_producer * gb
+    payload = producers * per_producer * sample
+    # Ingest `ingest_reps` times, each into a new stream; keep the fastest run (the one least
+    # disturbed by whatever else the machine runs) and read the stream of the last one.
+    runs: list[tuple[float, float, list[Any]]] = []
+    url = ""
+    for _ in range(ingest_reps):
+        if url:
+            backend.discard(url)
+        url = backend.new_url()
+        async with backend.store(url) as store:
+            await lakestream.create(store, world_size=WORLD_SIZE, global_batch=gb)
+        runs.append(await produce(backend, url, producers, per_producer, pool))
+    reg_s, ingest_s, stats = min(runs, key=lambda r: r[1])
+    async with backend.store(url) as store:
+        state = await lakestream.load_state(store)
+    steps = state.head + 1 - state.first_step
+    assert steps == producers * tgbs_per_producer, (steps, producers, tgbs_per_producer)
+
+    # Per rank: alternate baseline and reader passes until each has run `reps` passes and
+    # `min_seconds` in all (so page-cache-fast passes are not timed one millisecond at a time).
+    reader: list[float] = []
+    base: list[float] = []
+    amp = store_amp = 0.0
+    faults = 0
+    read_bytes = 0
+    async with AsyncExitStack() as stack:
+        inner = await stack.enter_async_context(backend.store(url))
+        raw = None if backend.s3 is None else await stack.enter_async_context(raw_s3_client(backend.s3, url))
+        for rank in range(WORLD_SIZE):
+            b_t = b_n = r_t = r_n = 0.0
+            b_k = r_k = 0
+            while b_k < reps or r_k < reps or b_t < min_seconds or r_t < min_seconds:
+                if b_k < reps or b_t < min_seconds:
+                    if raw is None:
+                        s_, n_ = baseline_file(Path(url[len("file://") :]), state, rank)
+                    else:
+                        s_, n_ = await baseline_s3(raw, url, state, rank)
+                    b_t, b_n, b_k = b_t + s_, b_n + n_, b_k + 1
+                if r_k < reps or r_t < min_seconds:
+                    s_, n_, fetched, got, f_ = await read_rank(inner, rank, state.head + 1)
+                    r_t, r_n, r_k = r_t + s_, r_n + n_, r_k + 1
+                    amp = max(amp, fetched / n_)
+                    store_amp = max(store_amp, got / n_)
+                    faults += f_
+                    read_bytes += n_
+            assert b_n / b_k == r_n / r_k, (b_n, b_k, r_n, r_k)
+            base.append(mb_per_s(int(b_n), b_t))
+            reader.append(mb_per_s(int(r_n), r_t))
+    backend.discard(url)
+    return Result(
+        store=backend.name,
+        producers=producers,
+        sample=sample,
+        global_batch=gb,
+        steps=steps,
+        payload=payload,
+        register_s=reg_s,
+        ingest_s=ingest_s,
+        ingest_runs=[mb_per_s(payload, r[1]) for r in runs],
+        commits=sum(s.commits for s in stats),
+        attempts=sum(s.commit_attempts for s in stats),
+        reader=reader,
+        baseline=base,
+        read_amp=amp,
+        store_amp=store_amp,
+        faults_per_mib=faults / (read_bytes / MiB),
+        visible=[x for st in stats for x in st.ready_to_visible],
+    )
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+HEADERS = [
+    "store",
+    "prod.",
+    "sample",
+    "global batch (TGB)",
+    "steps",
+    "data",
+    "reg s",
+    "ingest MB/s",
+    "commits (attempts)",
+    "reader MB/s/rank",
+    "baseline MB/s",
+    "reader/baseline",
+    "read amp.",
+    "store amp.",
+]
+
+
+def row(r: Result) -> list[str]:
+    return [
+        "file://" if r.store == "file" else "SeaweedFS",
+        str(r.producers),
+        fmt_bytes(r.sample),
+        f"{r.global_batch} ({fmt_bytes(r.global_batch * r.sample)})",
+        str(r.steps),
+        fmt_bytes(r.payload),
+        f"{r.register_s:.2f}",
+        f"{r.ingest_mbs:.0f}",
+        f"{r.commits} ({r.attempts})",
+        f"{median(r.reader):.0f}",
+        f"{median(r.baseline):.0f}",
+        f"{r.ratio:.2f}",
+        f"{r.read_amp:.3f}",
+        f"{r.store_amp:.3f}",
+    ]
+
+
+async def main_async(a: argparse.Namespace) -> int:
+    sizes = [int(s) for s in a.sizes]
+    target = a.mib * MiB
+    results: list[Result] = []
+    pools = {}
+    for size in sizes:
+        gb = max(WORLD_SIZE, TGB_BYTES // size)
+        pools[size] = random_pool(size, 2 * gb, max_bytes=128 * MiB)
+
+    async def run_backend(backend: Backend) -> None:
+        for producers in a.producers:
+            for size in sizes:
+                t0 = time.perf_counter()
+                r = await run_config(
+                    backend, producers, size, target, a.ingest_reps, a.reps, a.min_seconds, pools[size]
+                )
+                results.append(r)
+                print(
+                    f"  {backend.name:4} producers={producers} sample={fmt_bytes(size):>6}: "
+                    f"ingest {r.ingest_mbs:6.0f} MB/s, "
+                    f"reader {median(r.reader):6.0f} MB/s/rank ({r.ratio:.2f}x baseline), "
+                    f"amp {r.read_amp:.3f}  [{time.perf_counter() - t0:.1f} s]",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    if "file" in a.stores:
+        with removing(temp_dir()) as tmp:
+            await run_backend(Backend("file", tmp=tmp))
+    if "s3" in a.stores:
+        with SeaweedS3() as s3:
+            print(f"  SeaweedFS up at {s3.endpoint_url} in {s3.startup_s:.1f} s", file=sys.stderr, flush=True)
+            await run_backend(Backend("s3", s3=s3))
+
+    print()
+    print(format_table(HEADERS, [row(r) for r in results]))
+    print()
+    print("diagnostics: MB/s of every ingest run (the table shows the fastest); of that run, seconds from")
+    print("sealing a TGB to its commit (ProducerStats.ready_to_visible); minor page faults of this process")
+    print("per MiB the readers returned (a fault: a fresh page of a buffer it allocated)")
+    print()
+    print(
+        format_table(
+            [
+                "store",
+                "prod.",
+                "sample",
+                "ingest MB/s, runs",
+                "ingest s",
+                "seal-to-commit p50 s",
+                "max s",
+                "reader faults/MiB",
+            ],
+            [
+                [
+                    "file://" if r.store == "file" else "SeaweedFS",
+                    r.producers,
+                    fmt_bytes(r.sample),
+                    " ".join(f"{x:.0f}" for x in r.ingest_runs),
+                    f"{r.ingest_s:.2f}",
+                    f"{median(r.visible):.2f}",
+                    f"{max(r.visible, default=float('nan')):.2f}",
+                    f"{r.faults_per_mib:.0f}",
+                ]
+                for r in results
+            ],
+        )
+    )
+    print()
+    ok = True
+    for r in results:
+        if r.store != "file":
+            continue
+        met_ratio = r.ratio >= RATIO_TARGET
+        met_amp = r.read_amp <= READ_AMP_TARGET
+        ok &= met_ratio and met_amp
+        print(
+            f"target file:// {r.producers} prod. {fmt_bytes(r.sample):>6}: reader/baseline {r.ratio:.2f} "
+            f"(>= {RATIO_TARGET}: {'met' if met_ratio else 'NOT MET'}), read amp. {r.read_amp:.3f} "
+            f"(<= {READ_AMP_TARGET}: {'met' if met_amp else 'NOT MET'})"
+        )
+    amp_all = all(r.read_amp <= READ_AMP_TARGET for r in results)
+    print(f"read amplification <= {READ_AMP_TARGET} on every store: {'met' if amp_all else 'NOT MET'}")
+    if any(r.store == "file" for r in results):
+        print(f"all file:// targets: {'met' if ok else 'NOT MET'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer samples per config and one repetition (< 1 min)")
+    ap.add_argument("--stores", nargs="+", choices=["file", "s3"], default=["file", "s3"])
+    ap.add_argument("--producers", nargs="+", type=int, default=[1, 4])
+    ap.add_argument("--sizes", nargs="+", type=int, default=[4 * KiB, MiB, 16 * MiB], help="sample sizes in bytes")
+    ap.add_argument(
+        "--mib", type=int, help="payload per config in MiB (default 512, quick 64), whole TGBs, >= 1 per producer"
+    )
+    ap.add_argument("--ingest-reps", type=int, help="ingest runs per config, the fastest is shown (default 2, quick 1)")
+    ap.add_argument("--reps", type=int, help="at least this many read passes per rank (default 3, quick 1)")
+    ap.add_argument("--min-seconds", type=float, help="at least this long reading per rank (default 0.5, quick 0.1)")
+    a = ap.parse_args(argv)
+    if a.mib is None:
+        a.mib = 64 if a.quick else 512
+    if a.ingest_reps is None:
+        a.ingest_reps = 1 if a.quick else 2
+    if a.reps is None:
+        a.reps = 1 if a.quick else 3
+    if a.min_seconds is None:
+        a.min_seconds = 0.1 if a.quick else 0.5
+    cmd = shlex.join([".venv/bin/python", "bench/ingest.py", *(sys.argv[1:] if argv is None else argv)])
+    print(f"$ {cmd}")
+    print(f"machine: {machine_description()}")
+    print(
+        f"world size {WORLD_SIZE}; TGB ~{fmt_bytes(TGB_BYTES)}: global batch = max({WORLD_SIZE}, "
+        f"{fmt_bytes(TGB_BYTES)} / sample); ~{a.mib} MiB of random payload per config; fastest of "
+        f"{a.ingest_reps} ingest run(s); read passes per rank >= {a.reps} and >= {a.min_seconds} s; "
+        "producers are coroutines in one process; MB/s = 10^6 bytes/s",
+        flush=True,
+    )
+    print(f"load average at start: {load_average()}", flush=True)
+    t0 = time.perf_counter()
+    rc = anyio.run(main_async, a)
+    print(f"load average at end: {load_average()}; total time {time.perf_counter() - t0:.1f} s")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
