@@ -32,6 +32,7 @@ from ._errors import ConfigMismatch, StepUnavailable
 from ._log import HINT_KEY, LOG_PREFIX, SNAPSHOT_PREFIX, Manifest, _version_of, log_key
 from ._manifest import State, decode_record
 from ._producer import parse_segment_key
+from ._retry import retry
 from ._store import ObjectStore
 
 __all__ = ["GcReport", "checkpoint", "gc", "release", "rewind"]
@@ -91,7 +92,12 @@ async def rewind(store: ObjectStore, *, to_checkpoint: str | None = None, to_ste
     m = Manifest(store)
     await m.load()
 
+    rewinds: list[int] = []
+
     def build(state: State) -> dict[str, Any] | None:
+        if rewinds and state.rewinds > rewinds[0]:
+            return None  # an earlier attempt whose answer was lost landed (or another rewind did)
+        rewinds.append(state.rewinds)
         target = to_step
         if to_checkpoint is not None:
             found = [c for c in state.checkpoints if c.id == to_checkpoint]
@@ -148,7 +154,8 @@ class _Progress:
 
 async def _delete(store: ObjectStore, keys: list[str], what: str, progress: Callable[[str, int, int], None]) -> None:
     for i in range(0, len(keys), 1000):
-        await store.delete(keys[i : i + 1000])
+        batch = keys[i : i + 1000]
+        await retry(lambda: store.delete(batch))
         progress(what, min(i + 1000, len(keys)), len(keys))
 
 
@@ -184,7 +191,7 @@ async def gc(
     referenced = {s.segment for s in state.steps if s.step >= first_step}
     doomed: list[str] = []
     t = now()
-    for key in await store.list("segments/"):
+    for key in await retry(lambda: store.list("segments/")):
         if key in referenced:
             continue
         parsed = parse_segment_key(key)
@@ -193,7 +200,11 @@ async def gc(
         producer, epoch, seq, uploaded = parsed
         p = state.producers.get(producer)
         dead = p is not None and (seq <= p.seq or epoch < p.epoch)  # can never be committed now
-        if not dead and t - uploaded < orphan_grace:
+        # Otherwise it may be an upload whose commit is on its way: it goes only once both it and
+        # its producer's last record are older than the grace (a live producer commits, or
+        # registers again, well within it; a producer gone for good stops doing either).
+        last_seen = p.last_ts if p is not None else 0.0
+        if not dead and t - max(uploaded, last_seen) < orphan_grace:
             report.orphans_kept += 1
             continue
         doomed.append(key)

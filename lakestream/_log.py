@@ -120,6 +120,7 @@ class Manifest:
         self.last_conflicts = 0
         self.last_probe_latency = 0.0  # the read round that found the tail, last time
         self.last_put_latency = 0.0  # the last conditional put
+        self._refreshing = anyio.Lock()
         self._window = 1.0  # EWMA of versions found per refresh: where the next one starts probing
 
     @property
@@ -180,6 +181,10 @@ class Manifest:
         found (an EWMA), so a caller at the tail pays one GET and a producer among N others about
         one round trip of N GETs.
         """
+        async with self._refreshing:  # one reader of the log at a time: versions apply in order
+            return await self._refresh()
+
+    async def _refresh(self) -> int:
         applied = 0
         if self.clock() - self.confirmed_at > self.lease / 2:
             # Rule 2 for readers too: a view this old may sit below a log clean-up.

@@ -39,7 +39,7 @@ __all__ = ["Producer", "ProducerStats", "parse_segment_key", "segment_key"]
 
 log = logging.getLogger("lakestream.producer")
 
-RECHECK_AFTER = 300.0  # seconds a TGB may wait uncommitted before its segment is checked again
+RECHECK_AFTER = 60.0  # seconds a TGB may wait uncommitted before its segment is checked again
 
 
 def segment_key(producer: str, epoch: int, seq: int, now: float) -> str:

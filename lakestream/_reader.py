@@ -133,10 +133,13 @@ class Reader:
         await self.manifest.refresh()
         return self.state
 
-    async def wait_for_step(self, step: int, *, timeout: float | None = None) -> Step:
+    async def wait_for_step(
+        self, step: int, *, timeout: float | None = None, check: Callable[[], None] | None = None
+    ) -> Step:
         """The manifest entry of `step`, waiting until it is committed.
 
-        Raises StepUnavailable if it was reclaimed or discarded, TimeoutError after `timeout`.
+        Raises StepUnavailable if it was reclaimed or discarded, TimeoutError after `timeout`;
+        `check` runs after every read of the log and may raise.
         """
         deadline = math.inf if timeout is None else time.monotonic() + timeout
         interval = self.poll_min
@@ -144,7 +147,10 @@ class Reader:
             entry = self._entry(step)
             if entry is not None:
                 return entry
-            if await self.manifest.refresh():
+            applied = await self.manifest.refresh()
+            if check is not None:
+                check()
+            if applied:
                 interval = self.poll_min
                 continue
             left = deadline - time.monotonic()
@@ -183,13 +189,17 @@ class Reader:
         step = start
         last: Step | None = None
         rewinds = self.state.rewinds
-        while stop is None or step < stop:
-            entry = await self.wait_for_step(step)
+
+        def check() -> None:
             if self.state.rewinds != rewinds and last is not None and self.state.step(last.step) != last:
                 raise StepUnavailable(
-                    f"{self.url}: step {last.step}, already read, was discarded by a rewind to step "
-                    f"{min(self.state.head, last.step - 1)}: restart reading from the restored checkpoint"
+                    f"{self.url}: step {last.step}, already read, was discarded by a rewind: "
+                    "restart reading from the restored checkpoint"
                 )
+
+        while stop is None or step < stop:
+            entry = await self.wait_for_step(step, check=check)
+            check()
             self._prefetch_after(step, stop)
             batch = await self.read_step(step)
             last = entry
@@ -260,9 +270,11 @@ class Reader:
         try:
             data = await retry(lambda: self.store.get_range(entry.segment, r.offset, r.length))
         except ObjectNotFound:
-            await self.manifest.refresh()  # reclaimed since we looked?
+            await self.manifest.refresh()  # reclaimed or discarded since we looked?
             if self.state.first_step > entry.step:
                 raise StepUnavailable(f"{self.url}: step {entry.step} was reclaimed while being read") from None
+            if self.state.step(entry.step) != entry:
+                raise StepUnavailable(f"{self.url}: step {entry.step} was discarded by a rewind while being read") from None
             raise CorruptData(f"{self._where(entry, rank)}: the segment of a committed step is missing") from None
         self.requests += 1
         self.bytes_fetched += len(data)
