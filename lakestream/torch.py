@@ -307,7 +307,23 @@ class _StreamIterator(Iterator[dict[str, Any]]):
         self.close()
 
 
-class StreamDataset(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+class _Resumable:
+    """`state_dict` / `load_state_dict` over the next step to read."""
+
+    _next_step: int
+
+    def state_dict(self) -> dict[str, int]:
+        """`{"next_step": n}`: the step after the last one yielded (where the next iterator starts)."""
+        return {"next_step": self._next_step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Make the next iterator start at `state["next_step"]`."""
+        n = state["next_step"]
+        _check_steps(n, None)
+        self._next_step = n
+
+
+class StreamDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     """This rank's slice of every step of a stream: one item `{"step", "samples"}` per step.
 
     `rank`/`world_size`: see `resolve_rank` (explicit, else torch.distributed, else torchrun's
@@ -345,16 +361,6 @@ class StreamDataset(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     def __iter__(self) -> _StreamIterator:
         return _StreamIterator(self)
 
-    def state_dict(self) -> dict[str, int]:
-        """`{"next_step": n}`: the step after the last one yielded (where the next iterator starts)."""
-        return {"next_step": self._next_step}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Make the next iterator start at `state["next_step"]`."""
-        n = state["next_step"]
-        _check_steps(n, None)
-        self._next_step = n
-
     def __repr__(self) -> str:
         return (
             f"StreamDataset({self.url!r}, rank={self.rank}, world_size={self.world_size}, "
@@ -388,7 +394,7 @@ class _MountIterator(Iterator[dict[str, Any]]):
         return {"step": step, "samples": samples}
 
 
-class MountDataset(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     """The same items as `StreamDataset`, read with plain file I/O from a `lakestream mount`.
 
     For step n it lists `MOUNTPOINT/rank-<r>/<n:012d>/` (the mount's lookup waits for the step to
@@ -421,16 +427,6 @@ class MountDataset(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
     def __iter__(self) -> _MountIterator:
         return _MountIterator(self)
-
-    def state_dict(self) -> dict[str, int]:
-        """`{"next_step": n}`: the step after the last one yielded (where the next iterator starts)."""
-        return {"next_step": self._next_step}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Make the next iterator start at `state["next_step"]`."""
-        n = state["next_step"]
-        _check_steps(n, None)
-        self._next_step = n
 
     def status(self) -> dict[str, Any]:
         """The mount's `_status.json`."""
