@@ -214,7 +214,8 @@ class Reader:
             entry = self.state.step(n)
             if entry is None:
                 break
-            if (n, entry.version) not in self._fetches and self._inflight_bytes + entry.ranks[self.rank].length > self.max_prefetch_bytes:
+            size = entry.ranks[self.rank].length
+            if (n, entry.version) not in self._fetches and self._inflight_bytes + size > self.max_prefetch_bytes:
                 break
             self._start(entry)
 
