@@ -215,15 +215,17 @@ async def gc(
         await _delete(store, doomed, "segments", show)
 
     # 3. log versions and snapshots below a snapshot committed more than `lease` ago
-    snapshots = sorted(v for k in await store.list(SNAPSHOT_PREFIX) if (v := _version_of(k)) is not None)
+    listed = await retry(lambda: store.list(SNAPSHOT_PREFIX))
+    snapshots = sorted(v for k in listed if (v := _version_of(k)) is not None)
     if not snapshots or snapshots[-1] < m.state.version - m.state.config.snapshot_every // 2:  # type: ignore[union-attr]
         if not dry_run:
-            await m.write_snapshot(m.state.copy().to_json(), m.state.version)
+            data = m.state.copy().to_json()
+            await retry(lambda: m.write_snapshot(data, m.state.version))
             snapshots.append(m.state.version)
     horizon = None
     for v in reversed(snapshots):
         try:
-            ts = decode_record(await store.get(log_key(v))).get("ts", t)
+            ts = decode_record(await retry(lambda: store.get(log_key(v)))).get("ts", t)
         except (ValueError, FileNotFoundError):
             continue
         if isinstance(ts, (int, float)) and t - ts > lease:
@@ -232,11 +234,12 @@ async def gc(
     if horizon is not None:
         old_snaps = [f"{SNAPSHOT_PREFIX}{v:020d}.json" for v in snapshots if v < horizon]
         logs = sorted(
-            (v for k in await store.list(LOG_PREFIX) if (v := _version_of(k)) is not None and 0 < v < horizon)
+            (v for k in await retry(lambda: store.list(LOG_PREFIX)) if (v := _version_of(k)) is not None and 0 < v < horizon)
         )
         report.snapshots_deleted, report.log_versions_deleted = len(old_snaps), len(logs)
         if not dry_run:
             await _delete(store, old_snaps, "snapshots", show)
-            await store.put(HINT_KEY, orjson.dumps({"version": snapshots[-1]}))
+            hint = orjson.dumps({"version": snapshots[-1]})
+            await retry(lambda: store.put(HINT_KEY, hint))
             await _delete(store, [log_key(v) for v in logs], "log versions", show)
     return report
