@@ -718,10 +718,10 @@ class Torture:
 
     def check_resume(self, p: ProducerSlot) -> None:
         """After a rewind, the first incarnation that registers must resume at the rewind's cursor."""
-        if p.expect_resume is None or p.child is None or self.rewind_mono is None or p.child.started < self.rewind_mono:
+        if p.expect_resume is None or p.child is None or self.rewind_mono is None:
             return
         m = REGISTERED.search(p.child.text())
-        if m is None:
+        if m is None or self.registered_before_rewind(p, m):
             return
         got = None if m[3] == "None" else int(m[3])
         if (got or 0) != p.expect_resume:
@@ -729,6 +729,11 @@ class Torture:
         else:
             self.counts["resumes_checked_after_rewind"] += 1
         p.expect_resume = None
+
+    def registered_before_rewind(self, p: ProducerSlot, m: re.Match[str]) -> bool:
+        """Whether this incarnation registered before the rewind landed, by its epoch (the rewind
+        raises every producer's epoch); one started while the rewind command ran may have."""
+        return int(m[2]) < self.fenced_below.get(p.pid, 1 << 62)
 
     def on_producer_exit(self, p: ProducerSlot) -> None:
         assert p.child is not None
@@ -741,7 +746,8 @@ class Torture:
             p.state = "done"
             return
         text = p.child.text()
-        if rc > 0 and "fenced" in text and self.rewind_mono is not None and p.child.started < self.rewind_mono:
+        m = REGISTERED.search(text)
+        if rc > 0 and "fenced" in text and self.rewind_mono is not None and (m is None or self.registered_before_rewind(p, m)):
             p.fenced += 1
             self.counts["fenced_exits"] += 1
         elif rc < 0:
