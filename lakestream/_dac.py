@@ -6,43 +6,50 @@ the outcome of every attempt. The engine does the waiting and the I/O (`_produce
 
 Theory of operation (DAC)
 -------------------------
-The manifest has one commit slot: version v + 1 can only be written after v exists, so the slot
-carries at most one commit per commit latency L (a conditional PUT plus the GETs that find the
-tail). N producers that commit independently share it. If each commits once every T seconds, the
-slot is busy a fraction ρ = N·L/T of the time, and a commit attempt collides with another with a
-probability that grows like 1 - exp(-ρ); each collision costs a wasted PUT and, on some stores
-(SeaweedFS), seconds. So:
+The manifest has one commit slot: version v + 1 can only be written after v exists. A put of
+v + 1 loses the race (412) when another put of v + 1 lands between the read that found v to be
+the tail and the put itself: a race window W of about one GET and one PUT. N producers that each
+commit once every T seconds put commits on the slot at rate λ = N/T, and a put then loses with
+probability p = 1 - exp(-λW). Every put that loses costs one more PUT and GET, and a little latency;
+a slot driven past λW ≈ 1 carries fewer commits the harder it is pushed (livelock). Each TGB waits
+about T in its producer. So the pace sets a trade: short T is low latency, long T is few lost races.
+DAC picks a point on it, the same for every producer, from what the manifest shows:
 
-* **Pace to a fair share.** T = m · N · L / ρ, with ρ = `utilisation` (0.5): the slot is used,
-  not fought over, and each producer gets 1/N of it. N is read from the manifest itself: the
-  number of producers whose commit records (they carry timestamps) fall in the last
-  `activity_window` seconds. L is an EWMA of this producer's own attempt latencies.
+* **Pace to the slot.** T = m · N · L. N is read from the manifest itself: the producers whose
+  records (they carry timestamps) fall in the last `activity_window` seconds. L is an EWMA of this
+  producer's own slot latency (the read that found the tail plus the put). m = 1 would fill the
+  slot if W were L; m corrects for everything that model gets wrong.
+* **Listen to the slot.** Every commit record carries the races its writer lost before it landed
+  (`lost`). From the latest commit of each active producer, each producer estimates the loss
+  probability p of a put, on N samples rather than its own few, and all of them see the same
+  ones. As -ln(1 - p) is proportional to λ, the interval that would meet the target loss
+  probability q (`target_conflicts`, 0.3) is T · ln(1 - p) / ln(1 - q); m moves by the square root
+  of that ratio at each decision (damped, at most 2x). q = 0.3 keeps λW ≈ 0.36, far from the
+  livelock at 1, at about 1.4 puts per commit.
 * **Group.** Every TGB that became ready while waiting goes into the one commit, so throughput is
   carried by group size, not by commit rate: g ≈ rate · T TGBs per commit.
-* **Back off on conflict.** A lost race multiplies m by `backoff` (up to `max_multiplier`); each
-  clean commit multiplies it by 1 - `recovery` (down to 1), so m settles where about one commit in
-  five meets a lost race. This corrects for a wrong N (producers that appear or vanish) and for
-  latency the EWMA has not caught yet. L is the latency of the slot itself: the read that found
-  the tail plus the put, not the catch-up reads of others' versions nor waits after lost races.
-  N only decays slowly (by `n_decay` per decision) from its recent peak, because producers that
-  keep losing races leave no records for the window to count.
-* **Jitter.** The wait is drawn uniformly in [½T, 1½T] from an injected random number, so
-  producers that started together drift apart instead of colliding forever.
-* **Listen before talk.** When others are active, the committer reads the log up to its tail right
-  before it puts (the GETs it would need after a lost race anyway), so most collisions cost a
-  cheap 404 instead of a failed conditional PUT.
+* **Jitter.** The wait is drawn uniformly in [(1 - j)T, (1 + j)T] (j = `jitter`, 0.25) from an
+  injected random number, so producers that started together drift apart.
+* **Listen before talk.** When others are active the committer reads the log to its tail right
+  before it puts, then confirms the tail with one more GET, so the race window is one round trip,
+  not the slowest GET of the catch-up; most collisions then cost a 404 rather than a failed PUT.
+* **Losers spread out.** The losers of one race learn the new tail together: each waits a random
+  0-2 L, then 0-4 L, before its next put. No more than that: the pace answers lasting contention,
+  and a per-commit backoff that kept doubling only makes one commit's TGBs the latency tail.
 * **Latency ceiling.** No TGB waits longer than `max_commit_delay` in the committer: the wait is
-  cut so that the oldest ready TGB is put by then — as long as the slot can carry that, i.e. the
-  fair-share interval N·L/ρ is below the ceiling. Past that point a ceiling can only be held by
-  colliding, which costs latency and throughput alike, so the ceiling stretches to the fair share
-  and latency grows with N while throughput holds. The ceiling is jittered too (¾ to 1 of it), so
-  producers held at it do not keep colliding in lockstep.
-* **Alone, no wait.** With N ≤ 1 nothing competes: commit as soon as anything is ready, grouping
-  whatever became ready during the previous commit.
+  cut so that the oldest ready TGB is put by then — as long as the slot can carry that, i.e. T is
+  below the ceiling. Past that point a ceiling can only be held by colliding, which costs latency
+  and throughput alike, so the ceiling stretches to T and latency grows with N while throughput
+  holds. The ceiling is jittered too (¾ to 1 of it).
+* **N falls slowly.** N decays by `n_decay` per decision from its recent peak: producers that keep
+  losing races leave no records for the window to count.
+* **Alone, no wait.** With N ≤ 1 and no lost races nothing competes: commit as soon as anything
+  is ready, grouping whatever became ready during the previous commit.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -67,6 +74,8 @@ class Observation:
     oldest_age: float  # seconds since the oldest ready TGB became ready
     active_producers: int  # producers with a commit in the activity window, this one included
     closing: bool = False  # the producer is flushing: commit now
+    lost: int = 0  # races lost by the latest commits of the active producers (from their records)
+    commits: int = 0  # how many such commits were seen
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,10 +154,11 @@ class IntervalPolicy(CommitPolicy):
 class DacPolicy(CommitPolicy):
     """Decentralised adaptive commit; see the module docstring for the law."""
 
-    utilisation: float = 0.5
+    target_conflicts: float = 0.3
+    jitter: float = 0.25
     max_commit_delay: float = 3.0
-    backoff: float = 1.5
-    recovery: float = 0.1
+    gain: float = 0.5
+    min_multiplier: float = 0.25
     max_multiplier: float = 8.0
     latency_alpha: float = 0.2
     initial_latency: float = 0.05
@@ -164,8 +174,14 @@ class DacPolicy(CommitPolicy):
         return self.max_group
 
     def __post_init__(self) -> None:
-        if not 0 < self.utilisation <= 1:
-            raise ValueError(f"utilisation must be in (0, 1], got {self.utilisation}")
+        if not 0 <= self.jitter < 1:
+            raise ValueError(f"jitter must be in [0, 1), got {self.jitter}")
+        if not 0 < self.target_conflicts < 1:
+            raise ValueError(f"target_conflicts must be in (0, 1), got {self.target_conflicts}")
+        if not 0 < self.min_multiplier <= 1 <= self.max_multiplier:
+            raise ValueError(f"need 0 < min_multiplier <= 1 <= max_multiplier, got {self.min_multiplier}, {self.max_multiplier}")
+        if not 0 < self.gain <= 1:
+            raise ValueError(f"gain must be in (0, 1], got {self.gain}")
         if self.max_commit_delay < 0:
             raise ValueError(f"max_commit_delay must be >= 0, got {self.max_commit_delay}")
         self.latency = self.initial_latency
@@ -175,12 +191,27 @@ class DacPolicy(CommitPolicy):
 
     def interval(self, active: int) -> float:
         """The paced interval T for `active` producers, before jitter and the ceiling."""
-        return self.multiplier * max(1, active) * self.latency / self.utilisation
+        return self.multiplier * max(1, active) * self.latency
+
+    def listen(self, lost: int, commits: int) -> None:
+        """Move m towards the pace at which a put loses with probability `target_conflicts`,
+        from the lost races the latest commit records report. A put loses when another lands in
+        its race window W; with commits arriving at rate λ = N/T that happens with probability
+        p = 1 - exp(-λW). So -ln(1 - p) is proportional to 1/T, and the interval that meets the
+        target is T · ln(1 - p) / ln(1 - q): m moves by the square root of that ratio (damped
+        against the noise of few samples), at most by 2x either way per decision."""
+        if commits <= 0:
+            return
+        p = min(lost / (lost + commits), 0.9)
+        ratio = math.log1p(-p) / math.log1p(-self.target_conflicts)
+        step = min(2.0, max(0.5, ratio)) ** self.gain
+        self.multiplier = min(self.max_multiplier, max(self.min_multiplier, self.multiplier * step))
 
     def decide(self, obs: Observation) -> Decision:
         self._active = obs.active_producers
         group = max(1, min(obs.ready, self.max_group))
         alone = obs.active_producers <= 1
+        self.listen(obs.lost, obs.commits)
         if obs.closing or (alone and self.multiplier <= 1.0):
             return Decision(0.0, group, not alone)
         # Jitter both the paced interval and the ceiling: producers held at the ceiling would
@@ -190,26 +221,24 @@ class DacPolicy(CommitPolicy):
         self._peak = max(float(obs.active_producers), self._peak * self.n_decay)
         n = max(obs.active_producers, round(self._peak))
         fair = self.interval(n) / self.multiplier
-        t = self.multiplier * fair * (0.5 + u)
+        t = self.multiplier * fair * (1 - self.jitter + 2 * self.jitter * u)
         # The ceiling holds while the slot can carry it (fair <= max_commit_delay). Beyond that,
         # holding it would only trade latency for collisions that cost both, so it stretches to
         # the fair share: throughput stays up and latency grows with N.
         ceiling = max(self.max_commit_delay, self.multiplier * fair) * (0.75 + 0.25 * u) - obs.oldest_age - self.latency
-        self.activity_window = max(2.0, 2 * self.max_commit_delay, 3 * fair)
+        self.activity_window = max(2.0, 2 * self.max_commit_delay, 3 * self.multiplier * fair)
         return Decision(max(0.0, min(t, ceiling)), group, not alone)
 
     def conflict_delay(self, conflicts: int) -> float:
         """After a lost race the losers all learn the tail at once: spread their retries over a
-        window that doubles with each loss, in units of the commit latency (capped at N)."""
-        return self.rng.uniform(0, 1) * self.latency * min(self._active, 2**conflicts)
+        window of 2, then 4 commit latencies. No further: the pace (m) is what answers lasting
+        contention; a per-commit backoff that kept doubling would only make this commit's TGBs
+        the tail of the latency distribution."""
+        return self.rng.uniform(0, 1) * self.latency * min(self._active, 4, 2**conflicts)
 
     def observe(self, outcome: AttemptOutcome) -> None:
         if outcome.latency > 0:
             self.latency += self.latency_alpha * (outcome.latency - self.latency)
-        if outcome.conflicts:
-            self.multiplier = min(self.max_multiplier, self.multiplier * self.backoff**outcome.conflicts)
-        else:
-            self.multiplier = max(1.0, self.multiplier * (1 - self.recovery))
 
 
 POLICIES = {"dac": DacPolicy, "eager": EagerPolicy, "backoff": BackoffPolicy, "interval": IntervalPolicy}

@@ -53,6 +53,7 @@ LOG_PREFIX = "_lakestream/log/"
 SNAPSHOT_PREFIX = "_lakestream/snapshots/"
 HINT_KEY = "_lakestream/last_snapshot"
 MAX_WINDOW = 32
+RATE_HORIZON = 5.0  # seconds over which the log's growth rate is averaged
 
 
 def log_key(version: int) -> str:
@@ -121,7 +122,11 @@ class Manifest:
         self.last_probe_latency = 0.0  # the read round that found the tail, last time
         self.last_put_latency = 0.0  # the last conditional put
         self._refreshing = anyio.Lock()
-        self._window = 1.0  # EWMA of versions found per refresh: where the next one starts probing
+        # The log's growth rate (versions per second, decayed over RATE_HORIZON), from which a
+        # refresh guesses how many versions to read in its first parallel round.
+        self._seen = (-1, -math.inf)  # (version, clock) at the last confirmed tail
+        self._versions = 0.0
+        self._seconds = 0.0
 
     @property
     def url(self) -> str:
@@ -173,18 +178,19 @@ class Manifest:
                     continue
         return None
 
-    async def refresh(self) -> int:
+    async def refresh(self, window: int | None = None) -> int:
         """Apply every version written since the last call; the number applied.
 
         Reads forward in parallel windows that double while versions keep coming, so catching up
-        on a long log costs O(log) round trips. The first window is the number of versions usually
-        found (an EWMA), so a caller at the tail pays one GET and a producer among N others about
-        one round trip of N GETs.
+        on a long log costs O(log) round trips. The first window is `window`, or else the number
+        of versions usually found (an EWMA), so a caller at the tail pays one GET and a producer
+        among N others about one round trip of N GETs. A small `window` confirms a tail that was
+        just caught up with (one GET when nothing new landed), without the catch-up's slowest GET.
         """
         async with self._refreshing:  # one reader of the log at a time: versions apply in order
-            return await self._refresh()
+            return await self._refresh(window)
 
-    async def _refresh(self) -> int:
+    async def _refresh(self, first: int | None) -> int:
         applied = 0
         if self.clock() - self.confirmed_at > self.lease / 2:
             # Rule 2 for readers too: a view this old may sit below a log clean-up.
@@ -192,7 +198,7 @@ class Manifest:
             if state is not None and state.version > self.state.version:
                 self.state = state
                 applied += 1
-        window = max(1, min(MAX_WINDOW, round(self._window)))
+        window = max(1, min(MAX_WINDOW, first or self._expected()))
         found = 0
         while True:
             started = self.clock()
@@ -210,12 +216,27 @@ class Manifest:
                 if data is None:
                     self.last_probe_latency = self.clock() - started
                     self.confirmed_at = started
-                    self._window += 0.25 * (found + 1 - self._window)
+                    self._observe_growth(started)
                     return applied
                 self.state.apply(base + i, data)
                 applied += 1
                 found += 1
             window = min(window * 2, MAX_WINDOW)
+
+    def _observe_growth(self, now: float) -> None:
+        version, at = self._seen
+        if version >= 0 and now > at:
+            decay = math.exp(-(now - at) / RATE_HORIZON)
+            self._versions = self._versions * decay + (self.state.version - version)
+            self._seconds = self._seconds * decay + (now - at)
+        self._seen = (self.state.version, now)
+
+    def _expected(self) -> int:
+        """Versions likely written since the tail was last confirmed (at least one GET)."""
+        version, at = self._seen
+        if self._seconds <= 0 or version != self.state.version:
+            return 1
+        return math.ceil(self._versions / self._seconds * (self.clock() - at))
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -242,8 +263,13 @@ class Manifest:
         while True:
             try:
                 if fresh or failures or self.clock() - self.confirmed_at > self.lease / 2:
-                    fresh = False
                     await self.refresh()
+                if fresh:
+                    # Listen before talk: the catch-up above waits for its slowest GET, and others
+                    # may commit meanwhile; one more GET right before the put narrows the window
+                    # in which a put can meet another to a single round trip.
+                    fresh = False
+                    await self.refresh(window=1)
                 record = build(self.state)
                 if record is None:
                     return None
@@ -266,7 +292,7 @@ class Manifest:
                 self.last_conflicts += 1
                 if conflict_delay is not None and (wait := conflict_delay(self.last_conflicts)) > 0:
                     await anyio.sleep(wait)
-                await self.refresh()
+                await self.refresh(window=1)  # usually one version, the winner's
                 continue
             if self.clock() - self.confirmed_at > self.lease / 2:
                 # Rule 3: too long since the tail was confirmed to take the success at its word.
@@ -275,6 +301,7 @@ class Manifest:
                 continue
             self.state.apply(version, data)
             self.confirmed_at = self.clock()
+            self._observe_growth(self.confirmed_at)
             return version
 
     async def write_snapshot(self, state_json: bytes, version: int) -> None:

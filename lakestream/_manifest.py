@@ -147,11 +147,13 @@ class ProducerState:
     commits: int = 0
     tgbs: int = 0
     base_cursor: Any = None  # its cursor after its last reclaimed TGB (what a rewind falls back to)
+    lost: int = 0  # races its last commit lost before it landed (what commit pacing listens to)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch, "seq": self.seq, "cursor": self.cursor, "token": self.token,
             "last_ts": self.last_ts, "commits": self.commits, "tgbs": self.tgbs, "base_cursor": self.base_cursor,
+            "lost": self.lost,
         }  # fmt: skip
 
 
@@ -297,6 +299,7 @@ class State:
         epoch, seq = r.get("epoch"), r.get("seq")
         _need(_int(epoch) and epoch == p.epoch, f"commit {pid}: epoch {epoch!r} is fenced by {p.epoch}")
         _need(_int(seq) and seq == p.seq + 1, f"commit {pid}: seq {seq!r} is not the next ({p.seq + 1})")
+        _need("lost" not in r or _int(r["lost"]), f"commit {pid}: lost must be a count, not {r.get('lost')!r}")
         tgbs = r.get("tgbs")
         _need(isinstance(tgbs, list) and len(tgbs) > 0, f"commit {pid}: tgbs must be a non-empty list")
         assert self.config is not None
@@ -333,6 +336,7 @@ class State:
                 p.cursor = t.get("cursor")
             p.seq = r["seq"] + len(r["tgbs"]) - 1
             p.last_ts = ts
+            p.lost = r.get("lost", 0)
             p.commits += 1
             p.tgbs += len(r["tgbs"])
         elif kind == "checkpoint":

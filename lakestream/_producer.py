@@ -291,7 +291,8 @@ class Producer:
                         return
                     await self._wait_changed()
                     continue
-                obs = Observation(len(ready), self._clock() - ready[0].sealed_at, self._active(), self._flushing > 0)
+                active, lost, commits = self._activity()
+                obs = Observation(len(ready), self._clock() - ready[0].sealed_at, active, self._flushing > 0, lost, commits)
                 decision = self._policy.decide(obs)
                 deadline = self._clock() + decision.delay
                 while not self._flushing and (left := deadline - self._clock()) > 0:
@@ -323,9 +324,20 @@ class Producer:
 
     def _active(self) -> int:
         """Producers with a commit record in the policy's activity window, this one included."""
+        return self._activity()[0]
+
+    def _activity(self) -> tuple[int, int, int]:
+        """From the commit records in the policy's activity window: the producers active (this one
+        included), and the races their latest commits lost and how many such commits there are."""
         since = time.time() - self._policy.activity_window
-        others = sum(1 for pid, p in self.manifest.state.producers.items() if pid != self.id and p.last_ts >= since)
-        return 1 + others
+        active, lost, commits = 1, 0, 0
+        for pid, p in self.manifest.state.producers.items():
+            if p.last_ts >= since:
+                active += pid != self.id
+                if p.commits:
+                    lost += p.lost
+                    commits += 1
+        return active, lost, commits
 
     def _ready(self) -> list[_Tgb]:
         ready = []
@@ -383,6 +395,7 @@ class Producer:
                 "epoch": self.epoch,
                 "seq": tgbs[0].seq,
                 "ts": time.time(),
+                "lost": self.manifest.last_conflicts,
                 "tgbs": [{"segment": t.segment, "ranks": t.ranks, "cursor": t.cursor} for t in tgbs],
             }
 

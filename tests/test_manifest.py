@@ -42,6 +42,15 @@ def test_commit_assigns_gap_free_steps_and_advances_cursor() -> None:
     assert s.head == 2 and not s.rejected
 
 
+def test_commit_records_the_races_it_lost() -> None:
+    tgb = {"segment": "segments/a/x", "ranks": [[0, 10, 1, 2], [10, 10, 2, 2]], "cursor": None}
+    lost = encode_record({"kind": "commit", "producer": "a", "epoch": 1, "seq": 1, "lost": 3, "tgbs": [tgb]})
+    s = replay([create(), register("a", 1), commit("a", 1, 0)])
+    assert s.producers["a"].lost == 0
+    assert s.apply(3, lost) is None and s.producers["a"].lost == 3
+    assert State.from_json(s.to_json()).producers["a"].lost == 3
+
+
 def test_stale_epoch_and_wrong_seq_are_noops() -> None:
     s = replay([create(), register("a", 1), commit("a", 1, 0), register("a", 2)])
     assert s.apply(4, commit("a", 1, 1)) is not None  # fenced epoch
@@ -62,6 +71,7 @@ def test_stale_epoch_and_wrong_seq_are_noops() -> None:
         b'{"kind": "commit", "producer": "a", "epoch": 1, "seq": 1, "tgbs": []}',
         b'{"kind": "commit", "producer": "a", "epoch": 1, "seq": 1, "tgbs": [{"segment": "segments/x", "ranks": [[0,1,2,3]]}]}',
         b'{"kind": "commit", "producer": "a", "epoch": 1, "seq": 1, "tgbs": [{"segment": "../x", "ranks": [[0,1,2,3],[1,1,1,1]]}]}',
+        b'{"kind": "commit", "producer": "a", "epoch": 1, "seq": 1, "lost": -1, "tgbs": [{"segment": "segments/x", "ranks": [[0,1,2,3],[1,1,1,1]]}]}',
         b'{"kind": "register", "producer": "a/b", "epoch": 1, "token": "t"}',
         b'{"kind": "create", "config": {"world_size": 2, "global_batch": 4}}',
     ],
