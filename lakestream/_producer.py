@@ -255,6 +255,9 @@ class Producer:
         self._notify()
 
     async def _seal(self) -> None:
+        # Back-pressure holds the source before the upload, not after it: storage stays bounded,
+        # and an upload is not left waiting uncommitted (and ageing towards GC's orphan grace).
+        await self._room(for_upload=True)
         samples, self._samples = self._samples, []
         costs, self._costs = (self._costs or None), []
         self._keys = set()
@@ -304,15 +307,17 @@ class Producer:
         except Exception as e:
             self._fail(e)
 
-    async def _room(self) -> int:
+    async def _room(self, *, for_upload: bool = False) -> int:
         """How many steps may be committed now: wait while `head - watermark >= max_steps_ahead`
-        (the stream's back-pressure; with no checkpoint the base is the first readable step)."""
+        (the stream's back-pressure; with no checkpoint the base is the first readable step).
+        `for_upload`: room for one more TGB, counting this producer's uncommitted ones as taken."""
         limit = self.config.max_steps_ahead
         interval = 0.01
         while limit:
+            self._check()
             s = self.manifest.state
             base = s.watermark if s.checkpoints else s.first_step - 1
-            room = limit - (s.head - base)
+            room = limit - (s.head - base) - (len(self._pending) if for_upload else 0)
             if room > 0:
                 return room
             self.stats.backpressure_waits += 1

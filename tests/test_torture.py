@@ -7,8 +7,7 @@ all at once against the real S3 server — then every source record must be in e
 the final history, every reader must have seen the same history, and the bytes left after a final
 GC must match the retained steps. See the harness's docstring for the details.
 
-Below it, fast in-memory reproductions of library bugs the torture test found, pinned as strict
-xfails: each one turns into a failure (remove its marker) once the library is fixed.
+Below it, fast in-memory reproductions of library bugs the torture test found.
 """
 
 from __future__ import annotations
@@ -60,26 +59,29 @@ def test_torture(s3_server, s3_url, tmp_path):  # type: ignore[no-untyped-def]
 # -- bugs found by the torture test, reproduced in memory --------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limit: with an orphan grace shorter than a producer's wait under back-pressure, GC may "
-    "delete an upload whose commit is still coming (producers re-check uploads held over 60 s; this "
-    "test uses a 1 s grace). Default grace: one hour.",
-    raises=AssertionError,
-)
 async def test_gc_keeps_the_uploads_of_a_producer_held_by_back_pressure() -> None:
+    """Found with a 1 s orphan grace: a TGB uploaded, then held by back-pressure past the grace,
+    was deleted by GC as an orphan and then committed. Back-pressure now holds the source before
+    the upload: nothing waits uploaded, and nothing is stored beyond `max_steps_ahead`."""
     store = MemoryStore("bp")
     await lakestream.create(store, world_size=1, global_batch=1, max_steps_ahead=1)
+
+    def segments() -> int:
+        return sum(1 for k in store.objects if k.startswith("segments/"))
+
     async with lakestream.open_producer(store, "p") as p:
         await p.put({"__key__": "k0", "txt": "a"}, cursor=1)
         await p.flush()  # step 0 committed: head - base == max_steps_ahead, no room
-        await p.put({"__key__": "k1", "txt": "b"}, cursor=2)  # sealed and uploaded; its commit waits
-        await anyio.sleep(1.2)
-        await lakestream.gc(store, orphan_grace=1.0)  # the waiting upload looks like an old orphan
-        await lakestream.checkpoint(store, "c0", 0)  # room again: the commit lands
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: p.put({"__key__": "k1", "txt": "b"}, cursor=2))  # held: no room
+            await anyio.sleep(1.2)
+            assert segments() == 1 and p.stats.backpressure_waits > 0  # k1 not uploaded
+            await lakestream.gc(store, orphan_grace=1.0)
+            await lakestream.checkpoint(store, "c0", 0)  # room again: k1 is uploaded and committed
         await p.flush()
     report = await lakestream.verify(store)
-    assert report.ok, report.problems  # step 1 names a segment GC deleted: its record is lost
+    assert report.ok, report.problems
+    assert report.samples == 2
 
 
 async def test_reader_survives_two_fetches_that_refresh_at_once() -> None:
