@@ -100,6 +100,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("umount", help="unmount a lakestream mount")
     p.add_argument("mountpoint")
+    p.add_argument("--force", action="store_true",
+                   help="abort the FUSE connection first (a mount whose daemon was killed and hangs its readers)")  # fmt: skip
 
     p = sub.add_parser("demo", help="run producers and rank readers on a local stream")
     p.add_argument("--dir", help="stream directory (default: a temporary one, removed afterwards)")
@@ -298,7 +300,7 @@ def _mount(a: argparse.Namespace) -> int:
 
 
 def _umount(a: argparse.Namespace) -> int:
-    _mount_module().unmount(a.mountpoint)
+    _mount_module().unmount(a.mountpoint, force=a.force)
     return 0
 
 

@@ -5,7 +5,8 @@
     m.stop()                                # lazy unmount, terminate/kill; asserts the process exited
 
 `read_tree` is a top-level function so that `multiprocessing` (spawn) workers can run it; this
-module imports nothing but the standard library and `cliutil`, so spawned workers start fast.
+module imports nothing but the standard library, `cliutil` and the mount table reader, so
+spawned workers start fast.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cliutil import LAKESTREAM, cli_env
+from lakestream_mount._mounts import mounts_at
 
 __all__ = ["MountProc", "PathDataset", "is_mounted", "read_tree", "step_name"]
 
@@ -27,24 +29,9 @@ def step_name(step: int) -> str:
     return f"{step:012d}"
 
 
-def _unescape(field: str) -> str:
-    """A /proc/self/mountinfo path field (octal escapes for space, tab, newline, backslash)."""
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and i + 3 < len(field) and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
-
-
 def is_mounted(mountpoint: str | os.PathLike[str]) -> bool:
     """Whether something is mounted exactly at `mountpoint` (per /proc/self/mountinfo)."""
-    target = os.path.abspath(os.fspath(mountpoint))
-    with open("/proc/self/mountinfo") as f:
-        return any(_unescape(line.split()[4]) == target for line in f)
+    return bool(mounts_at(os.fspath(mountpoint)))
 
 
 class MountProc:

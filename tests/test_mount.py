@@ -562,6 +562,38 @@ def test_unmount_with_an_active_reader_does_not_hang(tmp_path: Path, mounts, rea
     assert not is_mounted(m.mountpoint)
 
 
+def test_umount_force_frees_the_readers_of_a_daemon_that_does_not_answer(tmp_path: Path, mounts) -> None:
+    """A daemon killed while one of its threads waits in the kernel never finishes exiting, so the
+    kernel keeps its connection and its readers wait forever; a stopped daemon hangs them the same
+    way. `umount --force` aborts the connection: the reader's request fails, the mount is gone."""
+    url = file_url(tmp_path / "stream")
+    create(url, 1, 1)
+    produce(url, "p", tgb("a", 1))
+    m = mounts(url)
+    assert m.proc is not None
+    m.proc.send_signal(signal.SIGSTOP)
+    r = subprocess.Popen([sys.executable, "-c", WAIT_LOOKUP, str(m.mountpoint / "rank-0" / step_name(7))],
+                         stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert r.stdout is not None and r.stdout.readline().startswith("ready")
+        time.sleep(0.5)
+        assert r.poll() is None  # blocked: nobody answers its lookup
+        run_cli("umount", "--force", m.mountpoint, check=True, timeout=30)
+        out, _ = r.communicate(timeout=10)
+        assert out in (f"error {errno.ECONNABORTED}\n", f"error {errno.ENOTCONN}\n")  # in flight, or not yet sent
+        assert not is_mounted(m.mountpoint)
+    finally:
+        m.proc.send_signal(signal.SIGCONT)
+        if r.poll() is None:  # pragma: no cover - the abort did not free it
+            r.kill()
+    assert m.wait_exit(10.0) is not None, m.log()  # the daemon, resumed, finds its connection gone
+
+
+def test_umount_force_of_something_else_fails_clearly(tmp_path: Path) -> None:
+    r = run_cli("umount", "--force", tmp_path, timeout=30)
+    assert r.returncode != 0 and "no FUSE connection to abort" in r.stderr
+
+
 # -- 6. two mounts, two ranks ------------------------------------------------------------------------------
 
 

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 
 import lakestream
 from lakestream.torch import MountDataset, StreamDataset, checkpoint_hook, decode_file, resolve_rank
+from mountutil import is_mounted
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "examples" / "train_torch.py"
@@ -353,12 +354,6 @@ def test_import_lakestream_does_not_need_torch() -> None:
 
 
 # -- (b) MountDataset over a real mount ----------------------------------------------------------------
-
-
-def is_mounted(mountpoint: Path) -> bool:
-    target = os.path.abspath(mountpoint)
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == target for line in f)
 
 
 class Mount:

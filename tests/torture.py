@@ -847,12 +847,32 @@ class Torture:
 
     def kill_mount(self) -> None:
         assert self.mount_child is not None
-        if self.mount_child.kill():
+        if self.mount_child.kill(wait=False):
             self.counts["kills_mount"] += 1
+        self.reap_mount(self.mount_child, 5.0)
         self.unmount()
         self.mount_state = "restart"
         self.mount_ready = False
         self.mount_restart_at = time.monotonic() + self.rng.uniform(0, self.cfg.restart_delay)
+
+    def reap_mount(self, child: Child, timeout: float) -> None:
+        """Wait for a killed mount daemon. One killed while a thread of it waited in the kernel on
+        a reader's request (an entry invalidation after the rewind, blocked by a lookup waiting
+        for a step) cannot finish exiting, and its readers wait forever: abort its FUSE
+        connection, as an operator would (`lakestream umount --force`), and count it."""
+        from lakestream_mount import abort_connection
+
+        try:
+            child.popen.wait(timeout)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        if abort_connection(str(self.mnt)):
+            self.counts["mount_connections_aborted"] += 1
+        try:
+            child.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.failures.append(f"mount daemon {child.name}.{child.inc} did not exit, even after its FUSE connection was aborted")
 
     async def mount_status(self) -> dict[str, Any] | None:
         import anyio
@@ -1255,7 +1275,8 @@ class Torture:
                 self.mount_child.popen.wait(10)
             except subprocess.TimeoutExpired:
                 self.failures.append(f"the mount daemon did not exit within 10 s of SIGTERM\n{self.mount_child.tail()}")
-                self.mount_child.kill()
+                self.mount_child.kill(wait=False)
+                self.reap_mount(self.mount_child, 5.0)
         for r in self.readers:
             if r.child is not None:
                 try:
@@ -1494,7 +1515,8 @@ class Torture:
             f"mount readers {c['kills_mntreader']}, mount daemons {c['kills_mount']}, gc {c['gc_killed']}",
             "restarts": f"producer incarnations {sum(p.incarnations for p in getattr(self, 'producers', []))} "
             f"(drain restarts {c['drain_restarts']}), reader restarts {c['restarts_reader']}, "
-            f"mounts {c['mount_starts']}",
+            f"mounts {c['mount_starts']} ({c['mount_connections_aborted']} killed daemons wedged in the kernel, "
+            "their FUSE connections aborted)",
             "fenced": f"{c['fenced_exits']} producer exits 'fenced' after the rewind; "
             f"{c['resumes_checked_after_rewind']} resumes at the rewound cursor checked; "
             f"{c['reader_rewind_exits']} Python readers raised StepUnavailable for a discarded step, "

@@ -12,7 +12,9 @@ import os
 import signal
 import subprocess
 
-__all__ = ["parse_ranks", "run_mount", "unmount"]
+from ._mounts import mounts_at
+
+__all__ = ["abort_connection", "fuse_connection", "parse_ranks", "run_mount", "unmount"]
 
 log = logging.getLogger("lakestream.mount")
 
@@ -70,14 +72,10 @@ async def _serve(url: str, mountpoint: str, ranks_spec: str, world_size: int | N
 
 def _raise_readahead(mountpoint: str, kib: int = 1024) -> None:
     """Let the kernel send 1 MiB reads instead of 128 KiB ones (best effort: needs root)."""
-    target = os.fsencode(os.path.abspath(mountpoint)).replace(b" ", b"\\040")
     try:
-        with open("/proc/self/mountinfo", "rb") as f:
-            for line in f:
-                fields = line.split(b" ")
-                if len(fields) > 4 and fields[4] == target:
-                    with open(f"/sys/class/bdi/{fields[2].decode()}/read_ahead_kb", "w") as bdi:
-                        bdi.write(str(kib))
+        for m in mounts_at(mountpoint):
+            with open(f"/sys/class/bdi/{m.device}/read_ahead_kb", "w") as bdi:
+                bdi.write(str(kib))
     except OSError as e:
         log.info("could not raise read-ahead of %s: %s", mountpoint, e)
 
@@ -101,6 +99,43 @@ def run_mount(
     asyncio.run(_serve(url, mountpoint, ranks, world_size, prefetch=prefetch, cache_size=cache_size, wait=wait))
 
 
-def unmount(mountpoint: str) -> None:
-    """Unmount; lazily, so that readers with open files do not keep the mount busy."""
+FUSECTL = "/sys/fs/fuse/connections"
+
+
+def unmount(mountpoint: str, *, force: bool = False) -> None:
+    """Unmount; lazily, so that readers with open files do not keep the mount busy.
+
+    `force` first aborts the FUSE connection (see `abort_connection`): for a mount whose daemon
+    is gone or stuck, whose readers would otherwise wait for an answer forever.
+    """
+    if force and not abort_connection(mountpoint):
+        raise OSError(f"{mountpoint}: no FUSE connection to abort (not a FUSE mount, or fusectl unavailable)")
     subprocess.run(["fusermount3", "-u", "-z", mountpoint], check=True)
+
+
+def fuse_connection(mountpoint: str) -> int | None:
+    """The kernel's FUSE connection number of the (topmost) FUSE mount at `mountpoint`."""
+    fuse = [m for m in mounts_at(mountpoint) if m.fstype.startswith("fuse")]
+    return int(fuse[-1].device.split(":")[1]) if fuse else None
+
+
+def abort_connection(mountpoint: str) -> bool:
+    """Abort the FUSE connection of `mountpoint` (root; mounts fusectl if needed): every request
+    pending or to come fails (ECONNABORTED, ENOTCONN), and the daemon, if any, exits. The way out
+    of a mount whose daemon was killed while one of its threads waited in the kernel on a reader's
+    request (an entry invalidation blocked by a lookup waiting for a step): that process cannot
+    finish exiting, so the connection never closes by itself. False if there is no such mount."""
+    n = fuse_connection(mountpoint)
+    if n is None:
+        return False
+    if not os.path.exists(f"{FUSECTL}/{n}"):
+        subprocess.run(["mount", "-t", "fusectl", "fusectl", FUSECTL], capture_output=True)
+    try:
+        with open(f"{FUSECTL}/{n}/abort", "w") as f:
+            f.write("1")
+    except OSError as e:
+        log.warning("%s: could not abort FUSE connection %d: %s", mountpoint, n, e)
+        return False
+    log.warning("%s: aborted FUSE connection %d", mountpoint, n)
+    return True
+

@@ -36,6 +36,8 @@ import pyfuse3
 
 import lakestream
 
+from ._mounts import mounts_at
+
 __all__ = ["LakeFS", "SliceCache"]
 
 log = logging.getLogger("lakestream.mount")
@@ -370,17 +372,7 @@ class LakeFS(pyfuse3.Operations):
         if now - self._checked_mount < 1.0 or not self.mountpoint:
             return False
         self._checked_mount = now
-        try:
-            with open("/proc/self/mountinfo", "rb") as f:
-                table = f.read()
-        except OSError:
-            return False
-        target = os.fsencode(os.path.abspath(self.mountpoint)).replace(b" ", b"\\040")
-        return not any(
-            fields[4] == target and b" - fuse.lakestream " in line
-            for line in table.splitlines()
-            if len(fields := line.split(b" ")) > 4
-        )
+        return not any(m.fstype == "fuse.lakestream" for m in mounts_at(self.mountpoint))
 
     # -- attributes ----------------------------------------------------------------------------
 
