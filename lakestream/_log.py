@@ -97,7 +97,7 @@ async def create_stream(store: ObjectStore, config: Config, *, wall: Callable[[]
 
 
 class Manifest:
-    """A live view of one stream's manifest. Not shared between tasks that append concurrently."""
+    """A live view of one stream's manifest. One task appends at a time; others may refresh."""
 
     def __init__(
         self,
@@ -299,9 +299,11 @@ class Manifest:
                 self.confirmed_at = -math.inf
                 await self.refresh()
                 continue
-            self.state.apply(version, data)
-            self.confirmed_at = self.clock()
-            self._observe_growth(self.confirmed_at)
+            async with self._refreshing:  # a refresh in another task may have applied it already
+                if self.state.version < version:
+                    self.state.apply(version, data)
+                self.confirmed_at = self.clock()
+                self._observe_growth(self.confirmed_at)
             return version
 
     async def write_snapshot(self, state_json: bytes, version: int) -> None:

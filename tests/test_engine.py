@@ -188,6 +188,32 @@ async def test_snapshots_are_written_and_equal_replay(store) -> None:
     assert loaded.to_json() == replayed.to_json()
 
 
+async def test_a_refresh_in_another_task_while_appending() -> None:
+    """Back-pressure refreshes the producer's manifest from the putting task while the committer
+    appends: a refresh may apply the version the append just won before the append does."""
+    inner = MemoryStore()
+    await lakestream.create(inner, world_size=1, global_batch=1)
+    lat = {op: (0.002, 0.5) for op in ("get", "put", "put_if_absent")}
+    store = FaultyStore(inner, latency=lat, rng=random.Random(3))
+    m, other = Manifest(store), Manifest(store)
+    await m.load()
+    await other.load()
+    done = anyio.Event()
+
+    async def refresher() -> None:
+        while not done.is_set():
+            await m.refresh()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(refresher)
+        for i in range(40):
+            await m.append(lambda st, i=i: {"kind": "register", "producer": "p", "epoch": i + 1, "token": "t"})
+            await other.append(lambda st, i=i: {"kind": "register", "producer": "q", "epoch": i + 1, "token": "t"})
+        done.set()
+    await m.refresh()
+    assert m.state.producers["p"].epoch == 40 and m.state.producers["q"].epoch == 40 and not m.state.rejected
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 0.0

@@ -301,3 +301,43 @@ async def test_s3_unreachable_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
     assert time.monotonic() - start < 15
     assert isinstance(info.value, ConnectionError)
     assert endpoint in str(info.value) and "some-bucket" in str(info.value)
+
+
+class _Captured(Exception):
+    pass
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("op", ["put", "put_if_absent"])
+async def test_s3_an_upload_cut_off_after_its_headers_leaves_no_object(s3_url: str, op: str) -> None:
+    """A producer killed (or a task cancelled) between the request's headers and its body: the
+    server must not store an empty object. SeaweedFS does unless the request carries a checksum
+    it can check; every put carries `x-amz-checksum-crc32`. The request the store would send is
+    replayed by hand over a socket, headers only, then the connection is closed."""
+    import socket
+    from urllib.parse import urlsplit
+
+    async with open_store(s3_url) as store:
+        client = await store._get_client()  # type: ignore[attr-defined]
+        sent: list[tuple[str, dict[str, str]]] = []
+
+        def capture(request, **kw):  # type: ignore[no-untyped-def]
+            sent.append((request.url, {k: v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()}))
+            raise _Captured
+
+        client.meta.events.register("before-send.s3.PutObject", capture)
+        with pytest.raises(_Captured):
+            await getattr(store, op)("cut/record", b'{"kind": "commit"}' * 50)
+        client.meta.events.unregister("before-send.s3.PutObject", capture)
+
+        url, headers = sent[0]
+        assert "x-amz-checksum-crc32" in {k.lower() for k in headers}
+        parts = urlsplit(url)
+        head = f"PUT {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        head += "".join(f"{k}: {v}\r\n" for k, v in headers.items() if k.lower() != "expect") + "\r\n"
+        with socket.create_connection((parts.hostname, parts.port), timeout=5) as s:
+            s.sendall(head.encode())
+            time.sleep(0.2)
+        await asyncio.sleep(0.5)
+        with pytest.raises(ObjectNotFound):
+            await store.get("cut/record")

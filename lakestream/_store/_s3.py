@@ -13,14 +13,17 @@ raise StoreUnavailable. Every botocore error becomes a Lakestream StoreError in 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import os
 import random
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import aiobotocore.session
+import anyio.to_thread
 from aiobotocore.config import AioConfig
 from botocore.exceptions import (
     BotoCoreError,
@@ -286,19 +289,20 @@ class S3Store:
         return await self._run("get_range", key, attempt)
 
     async def put(self, key: str, data: bytes) -> None:
-        """Create or replace the object (S3 PUTs are atomic)."""
+        """Create or replace the object, whole or not at all (see `_checksum`)."""
         full = self._key(key)
-        await self._run("put", key, lambda c: c.put_object(Bucket=self.bucket, Key=full, Body=bytes(data)))
+        body, crc = await _checksum(data)
+        await self._run("put", key, lambda c: c.put_object(Bucket=self.bucket, Key=full, Body=body, ChecksumCRC32=crc))
 
     async def put_if_absent(self, key: str, data: bytes) -> bool:
         """Conditional PUT (`If-None-Match: *`). False on 412, which after a retry may mean an
         earlier attempt of this same call landed: the caller resolves that ambiguity."""
         full = self._key(key)
-        body = bytes(data)
+        body, crc = await _checksum(data)
 
         async def attempt(c: Any) -> bool:
             try:
-                await c.put_object(Bucket=self.bucket, Key=full, Body=body, IfNoneMatch="*")
+                await c.put_object(Bucket=self.bucket, Key=full, Body=body, IfNoneMatch="*", ChecksumCRC32=crc)
             except ClientError as e:
                 code, status = _code_status(e)
                 if status == 412 or code == "PreconditionFailed":
@@ -350,3 +354,13 @@ class S3Store:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+async def _checksum(data: bytes) -> tuple[bytes, str]:
+    """The body and its CRC-32 for `x-amz-checksum-crc32`, which the server checks before the
+    object exists. Without it an upload cut off after its headers (a process killed, a task
+    cancelled: aiohttp sends the body after the headers) can be stored as an empty object:
+    SeaweedFS 4.48 does that even with a signed payload hash."""
+    body = bytes(data)
+    crc = zlib.crc32(body) if len(body) < 1 << 20 else await anyio.to_thread.run_sync(zlib.crc32, body)
+    return body, base64.b64encode(crc.to_bytes(4, "big")).decode()
