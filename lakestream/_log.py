@@ -122,6 +122,9 @@ class Manifest:
         self.last_probe_latency = 0.0  # the read round that found the tail, last time
         self.last_put_latency = 0.0  # the last conditional put
         self._refreshing = anyio.Lock()
+        # Called with the state after each version it applies (tools that must see every step,
+        # even one that a rewind discards within the same refresh).
+        self.on_apply: Callable[[State], None] | None = None
         # The log's growth rate (versions per second, decayed over RATE_HORIZON), from which a
         # refresh guesses how many versions to read in its first parallel round.
         self._seen = (-1, -math.inf)  # (version, clock) at the last confirmed tail
@@ -219,6 +222,8 @@ class Manifest:
                     self._observe_growth(started)
                     return applied
                 self.state.apply(base + i, data)
+                if self.on_apply is not None:
+                    self.on_apply(self.state)
                 applied += 1
                 found += 1
             window = min(window * 2, MAX_WINDOW)
@@ -302,6 +307,8 @@ class Manifest:
             async with self._refreshing:  # a refresh in another task may have applied it already
                 if self.state.version < version:
                     self.state.apply(version, data)
+                    if self.on_apply is not None:
+                        self.on_apply(self.state)
                 self.confirmed_at = self.clock()
                 self._observe_growth(self.confirmed_at)
             return version

@@ -214,6 +214,23 @@ async def test_a_refresh_in_another_task_while_appending() -> None:
     assert m.state.producers["p"].epoch == 40 and m.state.producers["q"].epoch == 40 and not m.state.rejected
 
 
+async def test_on_apply_sees_a_step_that_a_rewind_discards_in_the_same_refresh() -> None:
+    store = MemoryStore()
+    await lakestream.create(store, world_size=1, global_batch=1)
+    m = Manifest(store)
+    await m.load()
+    async with lakestream.open_producer(store, "p") as p:
+        for i in range(3):
+            await p.put({"__key__": f"k{i}", "txt": "x"}, cursor=i + 1)
+        await p.flush()
+    await lakestream.checkpoint(store, "c", 0)
+    await lakestream.rewind(store, to_step=0)
+    seen: set[tuple[int, int]] = set()
+    m.on_apply = lambda st: seen.update((s.step, s.version) for s in st.steps)
+    await m.refresh()  # the commits and the rewind in one refresh
+    assert m.state.head == 0 and {s for s, _ in seen} == {0, 1, 2}
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 0.0

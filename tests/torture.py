@@ -1151,6 +1151,7 @@ class Torture:
         self.store = self.faulty(inner, cfg.seed * 1000 + 1)
         follower_store = self.faulty(inner, cfg.seed * 1000 + 2)
         self.manifest = Manifest(follower_store)
+        self.manifest.on_apply = self.observe  # every version: a step a rewind discards at once is still seen
         self.manifest_lock = anyio.Lock()
         await self.manifest.load()
         self.observe(self.manifest.state)
