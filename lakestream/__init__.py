@@ -31,6 +31,7 @@ from ._errors import (
     SegmentLost,
     StepUnavailable,
     StoreError,
+    StoreFull,
     StoreUnavailable,
     StreamNotFound,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "Step",
     "StepUnavailable",
     "StoreError",
+    "StoreFull",
     "StoreUnavailable",
     "StreamNotFound",
     "GcReport",

@@ -5,6 +5,7 @@
     │   ├── ObjectNotFound               (also FileNotFoundError)
     │   ├── StoreUnavailable             endpoint unreachable, timeouts (also ConnectionError)
     │   ├── AccessDenied                 bad credentials, no permission (also PermissionError)
+    │   ├── StoreFull                    no space left on the device (also OSError)
     │   └── BucketNotFound               (also FileNotFoundError)
     ├── StreamNotFound                   no stream at this URL (also FileNotFoundError)
     ├── ConfigMismatch                   init over a stream with another config (also ValueError)
@@ -31,6 +32,7 @@ __all__ = [
     "SegmentLost",
     "StepUnavailable",
     "StoreError",
+    "StoreFull",
     "StoreUnavailable",
     "StreamNotFound",
 ]
@@ -62,6 +64,10 @@ class StoreUnavailable(StoreError, ConnectionError):
 
 class AccessDenied(StoreError, PermissionError):
     """The object store refused the credentials or the operation."""
+
+
+class StoreFull(StoreError, OSError):
+    """The store has no space left (a full disk or quota); free space, e.g. with `lakestream gc`."""
 
 
 class BucketNotFound(StoreError, FileNotFoundError):

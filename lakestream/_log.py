@@ -46,6 +46,7 @@ from ._errors import ConfigMismatch, ObjectNotFound, StoreUnavailable, StreamNot
 from ._manifest import Config, State, encode_record
 from ._retry import retry
 from ._store import ObjectStore
+from ._tasks import task_group
 
 __all__ = ["LOG_PREFIX", "Manifest", "SNAPSHOT_PREFIX", "create_stream", "log_key", "snapshot_key"]
 
@@ -211,7 +212,7 @@ class Manifest:
             async def fetch(i: int) -> None:
                 results[i] = await self._get(log_key(base + i))
 
-            async with anyio.create_task_group() as tg:
+            async with task_group() as tg:
                 for i in range(window):
                     tg.start_soon(fetch, i)
             self.requests += window

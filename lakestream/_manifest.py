@@ -39,6 +39,7 @@ import orjson
 
 __all__ = [
     "FORMAT_VERSION",
+    "LIMITS",
     "Config",
     "ProducerState",
     "RankSlice",
@@ -50,6 +51,18 @@ __all__ = [
 
 FORMAT_VERSION = 1
 _PRODUCER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+# The shapes a stream may have. Everything that reads a stream (readers, the mount, `status`)
+# allocates in proportion to these, so they are refused at `create`, not discovered later.
+LIMITS = {
+    "world_size": (1, 1 << 16),
+    "global_batch": (1, 1 << 24),
+    "snapshot_every": (1, 1 << 20),
+    "max_sample_bytes": (1, 1 << 32),
+    "keep_checkpoints": (0, 1 << 16),
+    "max_steps_ahead": (0, 1 << 32),  # 0: unbounded
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,14 +78,15 @@ class Config:
     format: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "global_batch", "snapshot_every", "max_sample_bytes"):
+        for name, (lo, hi) in LIMITS.items():
             v = getattr(self, name)
-            if type(v) is not int or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("keep_checkpoints", "max_steps_ahead"):
-            v = getattr(self, name)
-            if type(v) is not int or v < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+            if type(v) is not int or not lo <= v <= hi:
+                raise ValueError(f"{name} must be an integer from {lo} to {hi}, got {v!r}")
+        if self.global_batch < self.world_size:
+            raise ValueError(
+                f"global_batch {self.global_batch} is smaller than world_size {self.world_size}: "
+                "some ranks would get no samples (and a data-parallel job would hang)"
+            )
         if self.format != FORMAT_VERSION:
             raise ValueError(f"unsupported stream format {self.format!r} (this library reads {FORMAT_VERSION})")
 
@@ -180,6 +194,13 @@ def _need(cond: bool, why: str) -> None:
 
 def _int(v: Any, lo: int = 0) -> bool:
     return type(v) is int and v >= lo
+
+
+def _segment_key(key: Any) -> bool:
+    """`segments/…`: relative, '/'-separated, no empty, hidden, '.' or '..' part, at most 1 KiB."""
+    if not isinstance(key, str) or not key.startswith("segments/") or len(key) > 1024 or "\\" in key:
+        return False
+    return all(part and not part.startswith(".") and part.isprintable() for part in key.split("/"))
 
 
 def _ts(record: dict[str, Any]) -> float:
@@ -306,13 +327,22 @@ class State:
         w = self.config.world_size
         for t in tgbs:
             _need(isinstance(t, dict), f"commit {pid}: a TGB must be an object")
-            _need(isinstance(t.get("segment"), str) and t["segment"].startswith("segments/"),
-                  f"commit {pid}: bad segment key {t.get('segment')!r}")  # fmt: skip
+            _need(_segment_key(t.get("segment")), f"commit {pid}: bad segment key {t.get('segment')!r:.300}")
             ranks = t.get("ranks")
             _need(isinstance(ranks, list) and len(ranks) == w, f"commit {pid}: a TGB needs {w} rank slices")
+            # Slices tile the segment from offset 0 in rank order (as the codec writes them), hold at
+            # most a global batch, and have 32-bit checksums: whatever reads them may rely on it.
+            end = samples = 0
             for rs in ranks:
                 _need(isinstance(rs, list) and len(rs) == 4 and all(_int(x) for x in rs),
-                      f"commit {pid}: bad rank slice {rs!r}")  # fmt: skip
+                      f"commit {pid}: bad rank slice {rs!r:.100}")  # fmt: skip
+                offset, length, crc, n = rs
+                _need(offset == end and length < 1 << 62 and crc < 1 << 32,
+                      f"commit {pid}: rank slice {rs!r} does not follow the previous one at {end}")  # fmt: skip
+                end += length
+                samples += n
+            _need(0 < samples <= self.config.global_batch,
+                  f"commit {pid}: a TGB of {samples} samples (global batch {self.config.global_batch})")  # fmt: skip
 
     def _apply(self, version: int, r: dict[str, Any]) -> None:
         self._validate(version, r)

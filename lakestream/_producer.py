@@ -23,7 +23,6 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-import orjson
 
 from ._batching import assign_ranks
 from ._dac import AttemptOutcome, CommitPolicy, Observation, make_policy
@@ -31,7 +30,7 @@ from ._errors import InvalidSample, ObjectNotFound, ProducerFenced, SegmentLost
 from ._log import Manifest
 from ._retry import retry
 from ._manifest import State
-from ._segment import EncodedSample, encode_sample, encode_segment
+from ._segment import EncodedSample, dump_json, encode_sample, encode_segment
 from ._store import ObjectStore
 from ._tasks import cancel_task_group, enter_task_group
 
@@ -108,6 +107,7 @@ class Producer:
         self._gc_interval = gc_interval
         self._clock = clock
         self._token = uuid.uuid4().hex
+        self._key_prefix = producer_id.replace(".", "_")
         self.epoch = 0
         self.cursor: Any = None  # the source position to resume from (after the last committed sample)
         self.stats = ProducerStats()
@@ -181,11 +181,10 @@ class Producer:
         any error of background uploads or commits.
         """
         self._check()
-        try:
-            orjson.dumps(cursor)
-        except TypeError as e:
-            raise InvalidSample(f"producer {self.id!r}: cursor {cursor!r} is not JSON: {e}") from None
-        enc = encode_sample(sample, f"{self._next_seq:06d}-{len(self._samples):05d}", max_bytes=self.config.max_sample_bytes)
+        dump_json(cursor, f"producer {self.id!r}: cursor {cursor!r:.100}")
+        # A default key names the producer too: keys are unique in the whole stream (verify checks).
+        default = f"{self._key_prefix}-{self._next_seq:06d}-{len(self._samples):05d}"
+        enc = encode_sample(sample, default, max_bytes=self.config.max_sample_bytes)
         if enc.key in self._keys:
             raise InvalidSample(f"producer {self.id!r}: sample key {enc.key!r} appears twice in one global batch")
         cost = None

@@ -254,6 +254,8 @@ class Reader:
         if not 0 <= rank < len(entry.ranks):
             raise ValueError(f"{self.url}: rank {rank} is out of range for world size {len(entry.ranks)}")
         data = await self._get_slice(entry, rank)
+        if not isinstance(data, bytes):  # a mapped file can change after the check: check and keep a copy
+            data = await anyio.to_thread.run_sync(bytes, data)
         where = self._where(entry, rank)
 
         def check() -> list[FieldRef]:
@@ -277,6 +279,11 @@ class Reader:
             if self.state.step(entry.step) != entry:
                 raise StepUnavailable(f"{self.url}: step {entry.step} was discarded by a rewind while being read") from None
             raise CorruptData(f"{self._where(entry, rank)}: the segment of a committed step is missing") from None
+        if len(data) != r.length:  # the store returns only what exists: a lying length costs nothing
+            raise CorruptData(
+                f"{self._where(entry, rank)}: the segment holds {len(data)} bytes at offset {r.offset}, "
+                f"the manifest says {r.length}"
+            )
         self.requests += 1
         self.bytes_fetched += len(data)
         return data

@@ -29,6 +29,7 @@ __all__ = [
     "EncodedSample",
     "FieldRef",
     "decode_slice",
+    "dump_json",
     "encode_sample",
     "encode_segment",
     "index_slice",
@@ -66,7 +67,10 @@ def validate_name(name: object, what: str, *, allow_dot: bool) -> str:
     """A key or field name that is safe as part of a file name, or InvalidSample."""
     if not isinstance(name, str):
         raise InvalidSample(f"{what} must be a string, got {type(name).__name__}")
-    raw = name.encode("utf-8", "surrogatepass")
+    try:
+        raw = name.encode()
+    except UnicodeEncodeError:
+        raise InvalidSample(f"{what} {name!r} is not valid UTF-8 text") from None
     problem = None
     if not name:
         problem = "is empty"
@@ -83,19 +87,50 @@ def validate_name(name: object, what: str, *, allow_dot: bool) -> str:
     return name
 
 
+def _finite(value: Any) -> bool:
+    """False if a JSON-able value holds NaN or an infinity anywhere (JSON has no way to say them)."""
+    if isinstance(value, (float, np.floating)):
+        return bool(np.isfinite(value))
+    if isinstance(value, np.ndarray):
+        return value.dtype.kind not in "fc" or bool(np.isfinite(value).all())
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_finite(v) for v in value)
+    return True
+
+
+def dump_json(value: Any, what: str) -> bytes:
+    """`value` as JSON, or InvalidSample naming `what`. NaN and infinities are refused, never
+    rewritten to null (a NaN cursor read back as null would restart a source from zero)."""
+    try:
+        data = orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
+    except TypeError as e:
+        raise InvalidSample(f"{what}: cannot store {type(value).__name__} as JSON: {e}") from None
+    if b"null" in data and not _finite(value):  # orjson writes NaN and infinities as null
+        raise InvalidSample(f"{what}: NaN and infinities cannot be stored as JSON")
+    return data
+
+
 def _encode_value(key: str, name: str, value: Any) -> tuple[str, bytes]:
+    what = f"sample {key!r} field {name!r}"
     if isinstance(value, (bytes, bytearray, memoryview)):
         return "b", bytes(value)
     if isinstance(value, str):
-        return "s", value.encode()
+        try:
+            return "s", value.encode()
+        except UnicodeEncodeError as e:
+            raise InvalidSample(f"{what}: text is not valid UTF-8 ({e.reason} at {e.start})") from None
     if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:
+            raise InvalidSample(f"{what}: numpy arrays of Python objects cannot be stored (dtype {value.dtype})")
         buf = io.BytesIO()
-        np.lib.format.write_array(buf, value, allow_pickle=False)
+        try:
+            np.lib.format.write_array(buf, value, allow_pickle=False)
+        except ValueError as e:
+            raise InvalidSample(f"{what}: cannot store the numpy array: {e}") from None
         return "n", buf.getvalue()
-    try:
-        return "j", orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
-    except TypeError as e:
-        raise InvalidSample(f"sample {key!r} field {name!r}: cannot store {type(value).__name__}: {e}") from None
+    return "j", dump_json(value, what)
 
 
 def encode_sample(sample: Mapping[str, Any], default_key: str, *, max_bytes: int) -> EncodedSample:
@@ -103,17 +138,13 @@ def encode_sample(sample: Mapping[str, Any], default_key: str, *, max_bytes: int
     if not isinstance(sample, Mapping):
         raise InvalidSample(f"a sample must be a mapping of field name to value, got {type(sample).__name__}")
     key = sample.get(KEY_FIELD, default_key)
-    validate_name(key, "sample key", allow_dot=False)
-    if key in RESERVED_KEYS:
-        raise InvalidSample(f"sample key {key!r} is reserved")
+    _check_key(key)
     fields = []
     total = 0
     for name, value in sample.items():
         if name == KEY_FIELD:
             continue
-        validate_name(name, f"sample {key!r}: field name", allow_dot=True)
-        if len(key.encode()) + 1 + len(name.encode()) > 255:
-            raise InvalidSample(f"sample {key!r} field {name!r}: '<key>.<field>' is over 255 bytes")
+        _check_field(key, name)
         tag, data = _encode_value(key, name, value)
         total += len(data)
         fields.append((name, tag, data))
@@ -152,24 +183,67 @@ def check_slice(data: bytes | memoryview, crc32: int, where: str) -> None:
         raise CorruptData(f"{where}: checksum mismatch (crc32 {got:#010x}, expected {crc32:#010x})")
 
 
+TAGS = frozenset("bsnj")
+
+
 def index_slice(data: bytes | memoryview, where: str = "rank slice") -> list[FieldRef]:
-    """Every field of a slice with its (offset, length) in the slice. Raises CorruptData."""
+    """Every field of a slice with its (offset, length) in the slice. Raises CorruptData.
+
+    The header is untrusted: every key and field name passes the same rules as on put (so a name
+    can never become a path outside a directory), keys are unique in the slice and fields in
+    their sample, tags are known, and the lengths add up to the payload exactly.
+    """
     try:
-        if bytes(data[:4]) != MAGIC:
+        if len(data) < 8 or bytes(data[:4]) != MAGIC:
             raise ValueError("bad magic")
         (hlen,) = _LEN.unpack_from(data, 4)
+        if 8 + hlen > len(data):
+            raise ValueError(f"header of {hlen} bytes runs past the slice's {len(data)} bytes")
         header = orjson.loads(bytes(data[8 : 8 + hlen]))
+        if not isinstance(header, list):
+            raise ValueError("header is not a list")
         pos = 8 + hlen
         refs = []
-        for key, fields in header:
-            for name, tag, length in fields:
+        keys: set[str] = set()
+        for entry in header:
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list) and entry[1]):
+                raise ValueError(f"bad sample entry {entry!r:.80}")
+            key, fields = entry
+            _check_key(key)
+            if key in keys:
+                raise ValueError(f"sample key {key!r} appears twice")
+            keys.add(key)
+            names: set[str] = set()
+            for f in fields:
+                if not (isinstance(f, list) and len(f) == 3):
+                    raise ValueError(f"sample {key!r}: bad field entry {f!r:.80}")
+                name, tag, length = f
+                _check_field(key, name)
+                if name in names:
+                    raise ValueError(f"sample {key!r}: field {name!r} appears twice")
+                names.add(name)
+                if tag not in TAGS or type(length) is not int or not 0 <= length <= len(data) - pos:
+                    raise ValueError(f"sample {key!r} field {name!r}: bad tag {tag!r} or length {length!r}")
                 refs.append(FieldRef(key, name, tag, pos, length))
                 pos += length
         if pos != len(data):
             raise ValueError(f"payload is {len(data) - 8 - hlen} bytes, header says {pos - 8 - hlen}")
         return refs
-    except (ValueError, TypeError, struct.error) as e:
+    except (ValueError, TypeError, struct.error, InvalidSample) as e:
         raise CorruptData(f"{where}: malformed slice: {e}") from None
+
+
+def _check_key(key: object) -> None:
+    validate_name(key, "sample key", allow_dot=False)
+    if key in RESERVED_KEYS:
+        raise InvalidSample(f"sample key {key!r} is reserved")
+
+
+def _check_field(key: str, name: object) -> None:
+    validate_name(name, f"sample {key!r}: field name", allow_dot=True)
+    assert isinstance(name, str)
+    if len(key.encode()) + 1 + len(name.encode()) > 255:
+        raise InvalidSample(f"sample {key!r} field {name!r}: '<key>.<field>' is over 255 bytes")
 
 
 def decode_value(tag: str, raw: bytes) -> Any:

@@ -1,17 +1,29 @@
-"""`verify`: check every invariant of a stream and every checksum."""
+"""`verify`: check every invariant of a stream and every checksum.
+
+Besides what `apply` already enforces, verify reads back every retained segment and reports what
+only a whole-stream view can see: a segment that two steps share, a sample key that occurs in more
+than one step or rank (a source that produced a sample twice), and log versions past a hole in the
+log (which no reader ever applies, so they are reported rather than silently ignored).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import anyio
 
 from ._errors import CorruptData, ObjectNotFound
+from ._log import LOG_PREFIX, _version_of
 from ._manifest import State, Step
+from ._retry import retry
 from ._segment import check_slice, index_slice
 from ._store import ObjectStore
+from ._tasks import task_group
 
 __all__ = ["VerifyReport", "verify_state"]
+
+MAX_LISTED = 20  # problems of one kind listed one by one; the rest are counted
 
 
 @dataclass(slots=True)
@@ -29,14 +41,19 @@ class VerifyReport:
     def ok(self) -> bool:
         return not self.problems
 
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
 
-async def _check_step(store: ObjectStore, url: str, s: Step, world: int, report: VerifyReport) -> None:
+
+async def _check_step(
+    store: ObjectStore, url: str, s: Step, world: int, report: VerifyReport, keys: dict[str, tuple[int, int]]
+) -> None:
     where = f"{url} step {s.step}"
     if len(s.ranks) != world:
         report.problems.append(f"{where}: {len(s.ranks)} rank slices for world size {world}")
         return
     try:
-        data = await store.get(s.segment)
+        data = await retry(lambda: store.get(s.segment))
     except ObjectNotFound:
         report.problems.append(f"{where} ranks 0..{world - 1} object {s.segment}: segment object is missing")
         return
@@ -52,22 +69,35 @@ async def _check_step(store: ObjectStore, url: str, s: Step, world: int, report:
         view = memoryview(data)[r.offset : offset]
         try:
             check_slice(view, r.crc32, at)
-            refs = index_slice(view, at)
+            refs = index_slice(view, at)  # every name checked as on put
         except CorruptData as e:
             report.problems.append(str(e))
             continue
-        keys = []
-        for ref in refs:
-            if not keys or keys[-1] != ref.key:
-                keys.append(ref.key)
-        if len(keys) != r.samples:
-            report.problems.append(f"{at}: {len(keys)} samples in the slice, the manifest says {r.samples}")
-        if len(set(keys)) != len(keys):
-            report.problems.append(f"{at}: duplicate sample keys")
-        report.samples += len(keys)
+        slice_keys = list(dict.fromkeys(ref.key for ref in refs))
+        if len(slice_keys) != r.samples:
+            report.problems.append(f"{at}: {len(slice_keys)} samples in the slice, the manifest says {r.samples}")
+        for key in slice_keys:
+            first = keys.setdefault(key, (s.step, rank))
+            if first != (s.step, rank):
+                report.problems.append(
+                    f"{at}: sample key {key!r} also occurs at step {first[0]} rank {first[1]} (produced twice)"
+                )
+        report.samples += len(slice_keys)
     if offset != len(data):
         report.problems.append(f"{where} object {s.segment}: slices cover {offset} of {len(data)} bytes")
     report.bytes += len(data)
+
+
+async def _check_log_tail(store: ObjectStore, state: State, report: VerifyReport) -> None:
+    """Log versions past the tail sit behind a hole: every reader stops at the first missing one."""
+    beyond = sorted(
+        v for k in await retry(lambda: store.list(LOG_PREFIX)) if (v := _version_of(k)) is not None and v > state.version
+    )
+    if beyond:
+        report.problems.append(
+            f"{store.url}: log versions {beyond[0]}..{beyond[-1]} ({len(beyond)}) lie past a hole at version "
+            f"{state.version + 1} and are ignored by every reader (planted or left by a broken writer)"
+        )
 
 
 async def verify_state(store: ObjectStore, state: State, *, concurrency: int = 16) -> VerifyReport:
@@ -75,6 +105,7 @@ async def verify_state(store: ObjectStore, state: State, *, concurrency: int = 1
     report = VerifyReport(store.url, state.version, state.first_step, state.head, len(state.steps))
     for version, why in state.rejected:
         report.problems.append(f"{store.url}: log version {version} is malformed or invalid (applied as a no-op): {why}")
+    await _check_log_tail(store, state, report)
     if state.config is None:
         report.problems.append(f"{store.url}: no valid create record")
         return report
@@ -82,18 +113,40 @@ async def verify_state(store: ObjectStore, state: State, *, concurrency: int = 1
         if s.step != state.first_step + i:
             report.problems.append(f"{store.url}: step {s.step} found at position of step {state.first_step + i} (gap)")
     last_seq: dict[str, int] = {}
+    segments: dict[str, int] = {}
     for s in state.steps:
         if s.seq <= last_seq.get(s.producer, -1):
             report.problems.append(f"{store.url} step {s.step}: producer {s.producer} seq {s.seq} is not increasing")
         last_seq[s.producer] = s.seq
+        first = segments.setdefault(s.segment, s.step)
+        if first != s.step:
+            report.problems.append(
+                f"{store.url} step {s.step} object {s.segment}: the segment of step {first} again (its samples twice)"
+            )
     limiter = anyio.Semaphore(concurrency)
+    keys: dict[str, tuple[int, int]] = {}
+    world = state.config.world_size
+    unique = [s for s in state.steps if segments[s.segment] == s.step]
 
     async def one(s: Step) -> None:
         async with limiter:
-            await _check_step(store, store.url, s, state.config.world_size, report)  # type: ignore[union-attr]
+            await _check_step(store, store.url, s, world, report, keys)
 
-    async with anyio.create_task_group() as tg:
-        for s in state.steps:
+    async with task_group() as tg:
+        for s in unique:
             tg.start_soon(one, s)
-    report.problems.sort()
+    report.problems = _condense(sorted(report.problems))
     return report
+
+
+def _condense(problems: list[str]) -> list[str]:
+    """At most MAX_LISTED problems of each kind (the text after the location), then a count."""
+    out: list[str] = []
+    seen: dict[str, int] = {}
+    for p in problems:
+        kind = p.split(": ", 1)[-1].split("'", 1)[0]
+        seen[kind] = seen.get(kind, 0) + 1
+        if seen[kind] <= MAX_LISTED:
+            out.append(p)
+    out.extend(f"… and {n - MAX_LISTED} more like: {k}" for k, n in seen.items() if n > MAX_LISTED)
+    return out

@@ -11,7 +11,9 @@ from lakestream import CorruptData, InvalidSample
 from lakestream._batching import assign_ranks
 from lakestream._segment import decode_slice, encode_sample, encode_segment, index_slice
 
-names = st.text(st.characters(codec="utf-8", exclude_characters="/\0."), min_size=1, max_size=20)
+names = st.text(st.characters(codec="utf-8", exclude_characters="/\0."), min_size=1, max_size=20).filter(
+    lambda n: n != "__key__"  # the key's own field, not a field name
+)
 values = st.one_of(
     st.binary(max_size=200),
     st.text(max_size=50),

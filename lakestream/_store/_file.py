@@ -10,18 +10,21 @@ Blocking calls run in worker threads.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import time
 import uuid
 from pathlib import Path
 
 import anyio.to_thread
 
-from .._errors import ObjectNotFound
+from .._errors import AccessDenied, CorruptData, ObjectNotFound, StoreError, StoreFull
 
 __all__ = ["FileStore"]
 
 MMAP_THRESHOLD = 1 << 20
+TMP_SUFFIX = ".tmp"
 
 
 class FileStore:
@@ -42,8 +45,10 @@ class FileStore:
     def _read(self, key: str, offset: int, length: int | None) -> bytes:
         try:
             with open(self._path(key), "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if length is not None:
+                    length = max(0, min(length, size - offset))  # a range past the end is cut short
                 if length is not None and length >= MMAP_THRESHOLD:
-                    size = os.fstat(f.fileno()).st_size
                     if offset + length <= size:
                         # Large ranges of immutable objects are mapped, not copied: the mapping
                         # outlives the file's name (replace and delete only unlink it).
@@ -65,10 +70,26 @@ class FileStore:
                 return bytes(buf) if got == length else bytes(buf[:got])
         except FileNotFoundError:
             raise ObjectNotFound(f"{self.url}: no object {key!r}") from None
+        except OSError as e:
+            raise self._error(e, "read", key) from None
+
+    def _error(self, e: OSError, op: str, key: str) -> StoreError:
+        """The one translation of a filesystem error into a Lakestream error naming the object."""
+        where = f"{self.url}: {op} {key!r}"
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return StoreFull(
+                f"{where}: {e.strerror} on {self.root}; free space there (`lakestream gc` deletes what no "
+                "retained checkpoint needs, and only deletes before it writes) and run the command again"
+            )
+        if isinstance(e, PermissionError) or e.errno == errno.EROFS:
+            return AccessDenied(f"{where}: {e.strerror}")
+        if isinstance(e, (IsADirectoryError, NotADirectoryError)):
+            return CorruptData(f"{where}: a directory stands where an object should be ({e.strerror})")
+        return StoreError(f"{where}: {e.strerror or e}")
 
     def _write_temp(self, path: Path, data: bytes) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{TMP_SUFFIX}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             view = memoryview(data)
@@ -76,9 +97,31 @@ class FileStore:
                 view = view[os.write(fd, view) :]
             if self.durable:
                 os.fsync(fd)
-        finally:
+        except BaseException:
             os.close(fd)
+            os.unlink(tmp)  # a failed write (a full disk) leaves nothing behind
+            raise
+        os.close(fd)
         return tmp
+
+    def _remove_temporaries(self, older_than: float) -> tuple[int, int]:
+        """Delete temporary files of puts that never finished (a killed process leaves them), if
+        modified more than `older_than` seconds ago; (files, bytes) removed."""
+        files = nbytes = 0
+        cutoff = time.time() - older_than
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for name in filenames:
+                if name.startswith(".") and name.endswith(TMP_SUFFIX):
+                    path = os.path.join(dirpath, name)
+                    try:
+                        st = os.stat(path)
+                        if st.st_mtime < cutoff:
+                            os.unlink(path)
+                            files, nbytes = files + 1, nbytes + st.st_size
+                    except FileNotFoundError:
+                        pass
+        return files, nbytes
 
     def _sync_dir(self, path: Path) -> None:
         if self.durable:
@@ -90,22 +133,28 @@ class FileStore:
 
     def _put(self, key: str, data: bytes) -> None:
         path = self._path(key)
-        tmp = self._write_temp(path, data)
-        os.replace(tmp, path)
-        self._sync_dir(path)
+        try:
+            tmp = self._write_temp(path, data)
+            os.replace(tmp, path)
+            self._sync_dir(path)
+        except OSError as e:
+            raise self._error(e, "put", key) from None
 
     def _put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._path(key)
-        if path.exists():
-            return False
-        tmp = self._write_temp(path, data)
         try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(tmp)
-        self._sync_dir(path)
+            if path.exists():
+                return False
+            tmp = self._write_temp(path, data)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+            self._sync_dir(path)
+        except OSError as e:
+            raise self._error(e, "put", key) from None
         return True
 
     def _list(self, prefix: str) -> list[str]:
@@ -127,6 +176,8 @@ class FileStore:
                 os.unlink(self._path(key))
             except FileNotFoundError:
                 pass
+            except OSError as e:
+                raise self._error(e, "delete", key) from None
 
     # -- the protocol ----------------------------------------------------------------------
 
@@ -153,6 +204,10 @@ class FileStore:
     async def delete(self, keys: list[str]) -> None:
         self.requests += 1
         await anyio.to_thread.run_sync(self._delete, list(keys))
+
+    async def remove_temporaries(self, older_than: float) -> tuple[int, int]:
+        """Delete what interrupted puts left behind, older than `older_than` seconds: (files, bytes)."""
+        return await anyio.to_thread.run_sync(self._remove_temporaries, older_than)
 
     async def aclose(self) -> None:
         pass
