@@ -18,12 +18,16 @@ __all__ = ["abort_connection", "fuse_connection", "parse_ranks", "run_mount", "u
 
 log = logging.getLogger("lakestream.mount")
 
+MAX_TASKS = 1024  # FUSE requests served at once (a reader waiting for a step holds one)
+
 
 def parse_ranks(spec: str, world_size: int) -> list[int]:
-    """`all`, `3`, `0-7`, `0,2,5` (or a mix: `0-3,6`) -> sorted ranks. Raises ValueError."""
+    """`all`, `3`, `0-7`, `0,2,5` (or a mix: `0-3,6`) -> sorted ranks. Raises ValueError.
+
+    Every bound is checked against the world size before any range is expanded."""
     if spec == "all":
         return list(range(world_size))
-    ranks: set[int] = set()
+    bounds = []
     for part in spec.split(","):
         lo, dash, hi = part.strip().partition("-")
         try:
@@ -32,10 +36,13 @@ def parse_ranks(spec: str, world_size: int) -> list[int]:
             raise ValueError(f"--ranks {spec!r}: expected 'all', 'R', 'A-B' or 'R,R,…'") from None
         if a > b:
             raise ValueError(f"--ranks {spec!r}: range {part!r} is empty")
+        for r in (a, b):
+            if not 0 <= r < world_size:
+                raise ValueError(f"--ranks {spec!r}: rank {r} is out of range for world size {world_size}")
+        bounds.append((a, b))
+    ranks: set[int] = set()
+    for a, b in bounds:
         ranks.update(range(a, b + 1))
-    bad = [r for r in ranks if not 0 <= r < world_size]
-    if bad:
-        raise ValueError(f"--ranks {spec!r}: rank {bad[0]} is out of range for world size {world_size}")
     return sorted(ranks)
 
 
@@ -54,20 +61,20 @@ async def _serve(url: str, mountpoint: str, ranks_spec: str, world_size: int | N
         opts = set(pyfuse3.default_options) | {"fsname=lakestream", "subtype=lakestream", "ro"}
         pyfuse3.init(fs, mountpoint, opts)
         _raise_readahead(mountpoint)
-        log.warning("mounted %s at %s (ranks %s)", url, mountpoint, ranks_spec)
+        log.info("mounted %s at %s (ranks %s)", url, mountpoint, ranks_spec)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, fs.shutdown)
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(fs.follow)
-                await pyfuse3.main()
+                await pyfuse3.main(max_tasks=MAX_TASKS)
                 tg.cancel_scope.cancel()
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
             pyfuse3.close(unmount=not fs.detached)
-            log.warning("unmounted %s", mountpoint)
+            log.info("unmounted %s", mountpoint)
 
 
 def _raise_readahead(mountpoint: str, kib: int = 1024) -> None:
@@ -89,12 +96,21 @@ def run_mount(
     prefetch: int = 2,
     cache_size: int = 1 << 30,
     wait: float = 60.0,
+    nonempty: bool = False,
 ) -> None:
-    """Mount `url` at `mountpoint` and serve until unmounted, SIGINT or SIGTERM (blocks)."""
+    """Mount `url` at `mountpoint` and serve until unmounted, SIGINT or SIGTERM (blocks).
+
+    Raises OSError if `mountpoint` is not a directory, is already a mount point, or is not empty
+    (unless `nonempty`: its files are hidden while mounted)."""
     import pyfuse3.asyncio
 
+    mounted = mounts_at(mountpoint)  # first: a stat of a stuck FUSE mount would hang
+    if mounted:
+        raise OSError(f"{mountpoint} is already a mount point ({mounted[-1].fstype}); unmount it first")
     if not os.path.isdir(mountpoint):
         raise FileNotFoundError(f"mount point {mountpoint} is not a directory")
+    if not nonempty and os.listdir(mountpoint):
+        raise OSError(f"mount point {mountpoint} is not empty (--nonempty mounts over its files, hiding them)")
     pyfuse3.asyncio.enable()
     asyncio.run(_serve(url, mountpoint, ranks, world_size, prefetch=prefetch, cache_size=cache_size, wait=wait))
 
@@ -110,7 +126,12 @@ def unmount(mountpoint: str, *, force: bool = False) -> None:
     """
     if force and not abort_connection(mountpoint):
         raise OSError(f"{mountpoint}: no FUSE connection to abort (not a FUSE mount, or fusectl unavailable)")
-    subprocess.run(["fusermount3", "-u", "-z", mountpoint], check=True)
+    if not mounts_at(mountpoint):
+        raise OSError(f"{mountpoint} is not mounted")
+    r = subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True, text=True)
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
+        raise OSError(f"{mountpoint}: fusermount3 -u failed: {why}")
 
 
 def fuse_connection(mountpoint: str) -> int | None:

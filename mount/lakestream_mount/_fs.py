@@ -5,13 +5,35 @@
     MOUNTPOINT/rank-<r>/<step:012d>/<key>.<field>  one file per sample field
     MOUNTPOINT/rank-<r>/<step:012d>/_meta.json     step, version, producer, keys, sizes
 
-Theory of operation. A step directory and everything in it is immutable once it exists, so inode
-numbers are a pure function of (rank, step, file index) and the kernel may cache entries, attributes
-and pages for as long as it likes (`keep_cache`, day-long timeouts). Only `latest` and
-`_status.json` change; they get zero timeouts and direct I/O. One manifest follower serves every
-rank; a lookup of a step that is not committed yet waits for it (bounded by `wait`), which gives
-plain-file loaders back-pressure. Reads come from a bounded cache of whole rank slices, fetched
-with one range GET each; concurrent reads of one slice share the fetch.
+Theory of operation.
+
+- Inodes. The root, `_status.json`, every rank directory and `latest` have fixed numbers below
+  `RANK_BASE + 2 * world_size`. Everything else is a `Node` of one TGB: a step directory or one of
+  its files, tied to the (rank, step, manifest version) it was looked up at. Its number is drawn
+  from a counter that never goes back, so no two nodes ever share one, whatever the world size,
+  step number or files per slice; a node is dropped when the kernel forgets it (lookup count 0).
+  A node's content never changes, so the kernel may cache its entry, attributes and pages for as
+  long as it likes (`keep_cache`, day-long timeouts). Only `latest` and `_status.json` change;
+  they get zero timeouts and direct I/O.
+- Rewinds. A step number re-committed after a rewind is another TGB at another version, hence
+  other nodes. Looking up, stat-ing or opening a node whose TGB is no longer the committed one
+  fails with ESTALE (the kernel then walks the path again, asking us for every name, and finds
+  the new TGB or nothing), and the kernel is told to drop the entries of such step names. A file
+  opened before keeps reading its own TGB's bytes (checked again if refetched) or fails with
+  ESTALE once they are gone; it never reads another TGB's.
+- Waiting. The kernel serialises lookups within a directory (pyfuse3 does not negotiate
+  parallel directory operations), so a lookup must never wait. A lookup of a step that is not
+  committed yet answers at once with a `pending` directory node and zero timeouts; the kernel
+  then asks for its attributes (every `stat`, and the permission check of a path walk through
+  it) without holding the rank directory, and *that* waits for the commit (at most `wait`). Once
+  committed, the node becomes that TGB's step directory; if the wait runs out it answers ENOENT,
+  and so does a lookup of that step within `EXPIRED_GRACE` seconds after, so that `ls` of a
+  missing step (a `stat`, then an `lstat`) says "no such file" after one wait, not two.
+- Reads come from a bounded cache of whole rank slices, fetched with one range GET each, checked
+  (CRC-32) and indexed into bytes the mount owns; concurrent reads of one slice share the fetch.
+  Names from a slice are checked before they become file names: a hostile one is CorruptData.
+- One manifest follower serves every rank. A store that fails never ends the mount: it keeps
+  serving what it has and retries with exponential backoff and jitter until the store is back.
 
 Every handler goes through `_handler`, the one place that logs exceptions (pyfuse3 in asyncio
 mode drops them otherwise) and maps them to an errno.
@@ -23,6 +45,7 @@ import errno
 import functools
 import logging
 import os
+import random
 import stat
 import time
 from collections import OrderedDict
@@ -38,20 +61,16 @@ import lakestream
 
 from ._mounts import mounts_at
 
-__all__ = ["LakeFS", "SliceCache"]
+__all__ = ["Inodes", "LakeFS", "Node", "SliceCache", "check_names", "step_of_name"]
 
 log = logging.getLogger("lakestream.mount")
 
 ROOT = pyfuse3.ROOT_INODE
 STATUS = 2
-RANK_BASE = 1 << 8  # rank directory: RANK_BASE + r
-LATEST_BASE = 1 << 30  # latest symlink: LATEST_BASE + r
-STEP_FLAG = 1 << 62  # step directory: STEP_FLAG | r << 41 | step
-FILE_FLAG = 1 << 63  # file: FILE_FLAG | r << 52 | step << 20 | index
-MAX_RANK = 1 << 11
-MAX_STEP = 1 << 32
-META_INDEX = (1 << 20) - 1
+RANK_BASE = 16  # rank r: directory RANK_BASE + 2r, `latest` RANK_BASE + 2r + 1; nodes above them all
+META = -1  # the file index of `_meta.json`
 FOREVER = 24 * 3600.0
+EXPIRED_GRACE = 0.5  # seconds a step whose wait ran out is reported missing without a new wait
 STATUS_NAME = b"_status.json"
 META_NAME = b"_meta.json"
 LATEST_NAME = b"latest"
@@ -59,32 +78,62 @@ LATEST_NAME = b"latest"
 T = TypeVar("T")
 
 
-def step_inode(rank: int, step: int) -> int:
-    return STEP_FLAG | rank << 41 | step
+def step_of_name(name: bytes) -> int | None:
+    """The step a rank directory entry names (`%012d`, no other spelling), or None."""
+    if len(name) < 12 or not name.isdigit():
+        return None
+    step = int(name)
+    return step if name == b"%012d" % step else None
 
 
-def file_inode(rank: int, step: int, index: int) -> int:
-    return FILE_FLAG | rank << 52 | step << 20 | index
+def _leaf(e: BaseException) -> BaseException:
+    """The first exception inside (nested) exception groups: what a task group really raised."""
+    while isinstance(e, BaseExceptionGroup) and e.exceptions:
+        e = e.exceptions[0]
+    return e
 
 
-def decode_inode(inode: int) -> tuple[str, int, int, int]:
-    """(kind, rank, step, index) for any inode this filesystem hands out."""
-    if inode & FILE_FLAG:
-        return "file", (inode >> 52) & (MAX_RANK - 1), (inode >> 20) & (MAX_STEP - 1), inode & META_INDEX
-    if inode & STEP_FLAG:
-        return "step", (inode >> 41) & ((1 << 20) - 1), inode & ((1 << 41) - 1), 0
-    if inode >= LATEST_BASE:
-        return "latest", inode - LATEST_BASE, 0, 0
-    if inode >= RANK_BASE:
-        return "rank", inode - RANK_BASE, 0, 0
-    return ("root" if inode == ROOT else "status" if inode == STATUS else "?"), 0, 0, 0
+def _invalid_name(name: object, *, dots: bool) -> str | None:
+    if not isinstance(name, str):
+        return f"is a {type(name).__name__}, not a string"
+    if not name:
+        return "is empty"
+    if "/" in name or "\0" in name:
+        return "contains '/' or NUL"
+    if name in (".", "..") or ".." in name.split("."):
+        return "contains '..'"
+    if not dots and "." in name:
+        return "contains '.'"
+    return None
 
 
-def _invalidate_inode(inode: int) -> None:
-    try:
-        pyfuse3.invalidate_inode(inode)
-    except OSError:  # the kernel does not have it: nothing to forget
-        pass
+def check_names(files: list[lakestream.FieldRef], where: str) -> dict[bytes, int]:
+    """{file name: index} of a slice's fields, or CorruptData naming `where` if a key or field name
+    from the slice could not have been put, collides with `_meta.json` or with another name."""
+    names: dict[bytes, int] = {}
+    for i, f in enumerate(files):
+        problem = _invalid_name(f.key, dots=False)
+        what = f"sample key {f.key!r}"
+        if problem is None:
+            what = f"sample {f.key!r}: field name {f.field!r}"
+            problem = _invalid_name(f.field, dots=True)
+        if problem is None and (type(f.length) is not int or f.length < 0):
+            problem = f"has length {f.length!r}"
+        if problem is None:
+            try:
+                name = f"{f.key}.{f.field}".encode()
+            except UnicodeEncodeError:
+                name, problem = b"", "is not valid UTF-8"
+            if len(name) > 255:
+                problem = f"makes a file name of {len(name)} bytes (at most 255)"
+            elif name == META_NAME:
+                problem = "makes the reserved name _meta.json"
+            elif name in names:
+                problem = "occurs twice"
+            names[name] = i
+        if problem is not None:
+            raise lakestream.CorruptData(f"{where}: {what} {problem}")
+    return names
 
 
 def _handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -96,20 +145,85 @@ def _handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             return await fn(self, *args)
         except pyfuse3.FUSEError:
             raise
-        except lakestream.StepUnavailable as e:
-            log.info("%s: %s", fn.__name__, e)
-            raise pyfuse3.FUSEError(errno.ENOENT) from None
-        except lakestream.CorruptData as e:
-            log.error("%s: %s", fn.__name__, e)
-            raise pyfuse3.FUSEError(errno.EIO) from None
-        except lakestream.StoreError as e:
-            log.error("%s: object store failed: %s", fn.__name__, e)
-            raise pyfuse3.FUSEError(errno.EIO) from None
-        except Exception:
-            log.exception("%s%r failed", fn.__name__, args)
+        except Exception as group:
+            e = _leaf(group)
+            if isinstance(e, pyfuse3.FUSEError):
+                raise e from None
+            if isinstance(e, lakestream.StepUnavailable):
+                log.info("%s: %s", fn.__name__, e)
+                raise pyfuse3.FUSEError(errno.ENOENT) from None
+            if isinstance(e, lakestream.CorruptData):
+                log.error("%s: %s", fn.__name__, e)
+            elif isinstance(e, lakestream.StoreError):
+                log.error("%s: object store failed: %s", fn.__name__, e)
+            else:
+                log.error("%s%r failed", fn.__name__, args, exc_info=e)
             raise pyfuse3.FUSEError(errno.EIO) from None
 
     return wrapper
+
+
+@dataclass(eq=False, slots=True)
+class Node:
+    """A step directory (`step`), one of its files (`file`), or a step directory not committed
+    yet (`pending`), of one rank. `entry` is the TGB it shows (None while pending)."""
+
+    inode: int
+    kind: str
+    rank: int
+    step: int
+    entry: lakestream.Step | None
+    index: int = META  # file: index in the slice's files, META for `_meta.json`
+    size: int = 0
+    lookups: int = 0
+    invalidated: bool = False
+    key: tuple[str, int, int, int, int] | None = None  # in `Inodes`, while it can be found by key
+
+    @property
+    def name(self) -> bytes:
+        return b"%012d" % self.step
+
+
+class Inodes:
+    """Inode numbers of nodes: each handed out once, never reused; a node lives while the kernel
+    holds a lookup of it."""
+
+    def __init__(self, first: int) -> None:
+        self._next = first
+        self.nodes: dict[int, Node] = {}
+        self._by_key: dict[tuple[str, int, int, int, int], int] = {}
+
+    def get(
+        self, kind: str, rank: int, step: int, entry: lakestream.Step | None, index: int = META, size: int = 0
+    ) -> Node:
+        key = (kind, rank, step, -1 if entry is None else entry.version, index)
+        inode = self._by_key.get(key)
+        if inode is not None:
+            return self.nodes[inode]
+        node = Node(self._next, kind, rank, step, entry, index, size, key=key)
+        self._next += 1
+        self.nodes[node.inode] = node
+        self._by_key[key] = node.inode
+        return node
+
+    def bind(self, node: Node, entry: lakestream.Step) -> None:
+        """A pending node's step committed: it is that TGB's step directory from now on."""
+        if node.key is not None:
+            del self._by_key[node.key]
+        node.kind, node.entry, node.key = "step", entry, None
+
+    def forget(self, inode: int, n: int) -> None:
+        node = self.nodes.get(inode)
+        if node is None:
+            return
+        node.lookups -= n
+        if node.lookups <= 0:
+            self.drop(node)
+
+    def drop(self, node: Node) -> None:
+        del self.nodes[node.inode]
+        if node.key is not None:
+            del self._by_key[node.key]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,9 +238,9 @@ class Slice:
     meta: bytes  # the `_meta.json` content
 
     @classmethod
-    def of(cls, raw: lakestream.RawSlice) -> Slice:
+    def of(cls, raw: lakestream.RawSlice, where: str) -> Slice:
         e, files = raw.entry, raw.files
-        names = {f"{f.key}.{f.field}".encode(): i for i, f in enumerate(files)}
+        names = check_names(files, where)
         meta = orjson.dumps(
             {
                 "step": e.step, "rank": raw.rank, "version": e.version, "producer": e.producer,
@@ -148,9 +262,9 @@ class _Pending:
 
 
 class SliceCache:
-    """A bounded LRU of rank slices; concurrent gets of one slice share one fetch."""
+    """A bounded LRU of rank slices of TGBs; concurrent gets of one slice share one fetch."""
 
-    def __init__(self, fetch: Callable[[int, int, int], Awaitable[Slice]], capacity: int) -> None:
+    def __init__(self, fetch: Callable[[int, lakestream.Step], Awaitable[Slice]], capacity: int) -> None:
         self._fetch = fetch
         self.capacity = capacity
         self.nbytes = 0
@@ -161,8 +275,8 @@ class SliceCache:
     def __contains__(self, key: tuple[int, int, int]) -> bool:
         return key in self._slices or key in self._pending
 
-    async def get(self, rank: int, step: int, version: int) -> Slice:
-        key = (rank, step, version)  # a rewind gives a step a new TGB at a new version
+    async def get(self, rank: int, entry: lakestream.Step) -> Slice:
+        key = (rank, entry.step, entry.version)  # a rewind gives a step a new TGB at a new version
         hit = self._slices.get(key)
         if hit is not None:
             self._slices.move_to_end(key)
@@ -172,7 +286,7 @@ class SliceCache:
             pending = self._pending[key] = _Pending()
             try:
                 self.fetches += 1
-                pending.result = await self._fetch(rank, step, version)
+                pending.result = await self._fetch(rank, entry)
                 self._insert(key, pending.result)
             except BaseException as e:
                 pending.error = e
@@ -212,6 +326,7 @@ class LakeFS(pyfuse3.Operations):
         cache_size: int = 1 << 30,
         wait: float = 60.0,
         poll_interval: tuple[float, float] = (0.002, 0.25),
+        retry_interval: tuple[float, float] = (0.5, 10.0),
         mountpoint: str = "",
     ) -> None:
         super().__init__()
@@ -220,17 +335,21 @@ class LakeFS(pyfuse3.Operations):
         self.prefetch = prefetch
         self.wait = wait
         self.poll_min, self.poll_max = poll_interval
+        self.retry_min, self.retry_max = retry_interval
         self.cache = SliceCache(self._fetch, cache_size)
         self.uid, self.gid = os.getuid(), os.getgid()
         self.mounted_at = time.time_ns()
+        assert reader.world_size is not None
+        self.inodes = Inodes(RANK_BASE + 2 * reader.world_size)
         self._changed = anyio.Event()
         self._poke = anyio.Event()
-        self._status: dict[int, bytes] = {}
-        self._next_fh = 1
+        self._handles: dict[int, Node | int | bytes] = {}  # fh -> node, fixed inode, or status bytes
+        self._next_fh = 0
         self._cursor = {r: reader.state.head for r in ranks}  # prefetch window start per rank
-        self._seen: dict[tuple[int, int], tuple[int, int]] = {}  # (rank, step) -> (version, files) served
+        self._expired: dict[tuple[int, int], float] = {}  # (rank, step) -> until when its wait counts as run out
         self._rewinds = reader.state.rewinds
-        self._max_head = reader.state.head
+        self._first_step = reader.state.first_step
+        self.follow_error: str | None = None
         self.closing = anyio.Event()
         self._waiters = 0
         self.detached = False
@@ -242,33 +361,45 @@ class LakeFS(pyfuse3.Operations):
     def state(self) -> lakestream.State:
         return self.reader.state
 
+    def _current(self, node: Node) -> bool:
+        """Whether the node's TGB is still the committed one of its step."""
+        e = self.state.step(node.step)
+        return e is not None and node.entry is not None and e.version == node.entry.version
+
     # -- following the manifest and prefetching ----------------------------------------------
 
     async def follow(self, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
-        """Poll the manifest (fast while someone waits for a step), wake waiters, prefetch."""
+        """Poll the manifest (fast while someone waits for a step), wake waiters, prefetch.
+
+        Never raises for a store that fails: it retries with backoff and jitter for as long as
+        it takes, and the mount keeps serving what it has meanwhile."""
         async with anyio.create_task_group() as tg:
             self._tg = tg
             task_status.started()
             interval = self.poll_min
+            failures = 0
             self._prefetch()
             while not self.closing.is_set():
-                old_head = max(self._max_head, self.state.head)
                 try:
                     changed = await self.reader.manifest.refresh()  # versions applied
-                except lakestream.StoreError as e:
-                    log.warning("manifest poll failed (retrying): %s", e)
-                    changed = None
+                except Exception as group:  # StoreError, OSError, or a task group of them
+                    failures += 1
+                    e = _leaf(group)
+                    delay = min(self.retry_max, self.retry_min * 2 ** (failures - 1)) * random.uniform(0.5, 1.0)
+                    self.follow_error = f"{type(e).__name__}: {e}"
+                    if failures == 1 or failures % 10 == 0:
+                        log.warning("cannot follow %s (failure %d; serving what the mount has, retrying in "
+                                    "%.1f s): %s", self.reader.url, failures, delay, self.follow_error)  # fmt: skip
+                    with anyio.move_on_after(delay):
+                        await self.closing.wait()
+                    self._check_unmounted()
+                    continue
+                if failures:
+                    log.warning("following %s again after %d failures", self.reader.url, failures)
+                    failures, self.follow_error = 0, None
                 if changed:
                     interval = self.poll_min
-                    if self.state.rewinds != self._rewinds:
-                        await self._forget_discarded(old_head)
-                    self._max_head = self.state.head
-                    for key in [k for k in self._seen if k[1] < self.state.first_step]:
-                        del self._seen[key]  # reclaimed
-                    self._changed.set()
-                    self._changed = anyio.Event()
-                    self._prefetch()
-                    self.cache.drop(lambda r, s, v: (e := self.state.step(s)) is not None and e.version == v)
+                    self._applied()
                 elif self._waiters:
                     interval = self.poll_min  # someone waits for a step: keep looking
                 else:
@@ -278,33 +409,39 @@ class LakeFS(pyfuse3.Operations):
                     interval = self.poll_min
                 if self._poke.is_set():
                     self._poke = anyio.Event()
-                if self.unmounted():
-                    log.warning("%s was unmounted", self.mountpoint)
-                    self.detached = True
-                    self.shutdown()
+                self._check_unmounted()
 
-    async def _forget_discarded(self, old_head: int) -> None:
-        """After a rewind, make the kernel forget every entry, attribute and page of the steps it
-        discarded: their numbers (and so their inodes) will name other TGBs."""
-        self._rewinds = self.state.rewinds
-        lowest = min((step for _, step in self._seen), default=old_head + 1)
-        for r in self.ranks:
-            self._cursor[r] = min(self._cursor[r], self.state.head)
-            for step in range(min(lowest, self.state.head + 1), old_head + 1):
-                entry = self.state.step(step)
-                seen = self._seen.get((r, step))
-                if entry is not None and (seen is None or seen[0] == entry.version):
-                    continue  # untouched by the rewind, or recommitted and never served
+    def _applied(self) -> None:
+        """After the manifest moved: forget what a rewind or reclamation made stale, wake waiters, prefetch."""
+        s = self.state
+        if s.rewinds != self._rewinds or s.first_step != self._first_step:
+            if s.rewinds != self._rewinds:
+                log.warning("rewind to step %d: discarded steps forgotten", s.head)
+            self._rewinds, self._first_step = s.rewinds, s.first_step
+            for r in self.ranks:
+                self._cursor[r] = min(self._cursor[r], s.head)
+            self._invalidate_stale()
+        self._changed.set()
+        self._changed = anyio.Event()
+        self._prefetch()
+        self.cache.drop(lambda r, step, v: (e := s.step(step)) is not None and e.version == v)
+
+    def _invalidate_stale(self) -> None:
+        """Tell the kernel to drop the entries of step names whose TGB it knows is no longer the
+        committed one (asynchronously: never from a handler's own thread)."""
+        for node in list(self.inodes.nodes.values()):
+            if node.kind == "step" and not node.invalidated and not self._current(node):
+                node.invalidated = True
                 try:
-                    pyfuse3.invalidate_entry_async(RANK_BASE + r, b"%012d" % step, ignore_enoent=True)
+                    pyfuse3.invalidate_entry_async(RANK_BASE + 2 * node.rank, node.name, ignore_enoent=True)
                 except OSError as e:  # pragma: no cover - depends on the kernel's cache
-                    log.debug("invalidate entry rank %d step %d: %s", r, step, e)
-                if seen is not None:
-                    del self._seen[(r, step)]
-                    inodes = [step_inode(r, step)] + [file_inode(r, step, i) for i in [*range(seen[1]), META_INDEX]]
-                    for ino in inodes:
-                        await anyio.to_thread.run_sync(_invalidate_inode, ino)
-        log.warning("rewind to step %d: discarded steps forgotten", self.state.head)
+                    log.debug("invalidate entry rank %d step %d: %s", node.rank, node.step, e)
+
+    def _check_unmounted(self) -> None:
+        if self.unmounted():
+            log.warning("%s was unmounted", self.mountpoint)
+            self.detached = True
+            self.shutdown()
 
     def _prefetch(self) -> None:
         if self._tg is None:
@@ -314,30 +451,26 @@ class LakeFS(pyfuse3.Operations):
             for step in range(max(self._cursor[r] + 1, s.first_step), min(s.head, self._cursor[r] + self.prefetch) + 1):
                 entry = s.step(step)
                 if entry is not None and (r, step, entry.version) not in self.cache:
-                    self._tg.start_soon(self._prefetch_one, r, step)
+                    self._tg.start_soon(self._prefetch_one, r, entry)
 
-    async def _prefetch_one(self, rank: int, step: int) -> None:
+    async def _prefetch_one(self, rank: int, entry: lakestream.Step) -> None:
         try:
-            await self._slice(rank, step, move=False)
+            await self.cache.get(rank, entry)
         except Exception as e:  # the read that needs it will fetch again and report
-            log.warning("prefetch of rank %d step %d failed: %s", rank, step, e)
+            log.warning("prefetch of rank %d step %d failed: %s", rank, entry.step, _leaf(e))
 
-    async def _fetch(self, rank: int, step: int, version: int) -> Slice:
-        entry = self.state.step(step)
-        if entry is None or entry.version != version:
-            raise lakestream.StepUnavailable(f"{self.reader.url}: step {step} is no longer retained")
-        return Slice.of(await self.reader.fetch_raw(entry, rank))
+    async def _fetch(self, rank: int, entry: lakestream.Step) -> Slice:
+        where = f"{self.reader.url} step {entry.step} rank {rank} object {entry.segment}"
+        raw = await self.reader.fetch_raw(entry, rank)
+        return await anyio.to_thread.run_sync(Slice.of, raw, where)
 
-    async def _slice(self, rank: int, step: int, *, move: bool = True) -> Slice:
-        entry = self.state.step(step)
-        if entry is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
-        if move and step > self._cursor[rank]:
-            self._cursor[rank] = step
+    async def _slice(self, node: Node) -> Slice:
+        """The slice of a node's TGB: for the one committed now, moving the prefetch window."""
+        assert node.entry is not None
+        if node.step > self._cursor[node.rank] and self._current(node):
+            self._cursor[node.rank] = node.step
             self._prefetch()
-        sl = await self.cache.get(rank, step, entry.version)
-        self._seen[(rank, step)] = (entry.version, len(sl.files))
-        return sl
+        return await self.cache.get(node.rank, node.entry)
 
     async def _wait_for(self, step: int) -> bool:
         """True once `step` is committed; False if it is not retained, `wait` ran out, or the
@@ -389,6 +522,16 @@ class LakeFS(pyfuse3.Operations):
         a.entry_timeout = a.attr_timeout = timeout
         return a
 
+    def _node_attr(self, node: Node) -> pyfuse3.EntryAttributes:
+        if node.kind == "file":
+            return self._attr(node.inode, stat.S_IFREG | 0o444, node.size)
+        return self._attr(node.inode, stat.S_IFDIR | 0o555, timeout=0 if node.kind == "pending" else FOREVER)
+
+    def _ref(self, node: Node) -> pyfuse3.EntryAttributes:
+        """The attributes of a node handed to the kernel by a lookup (one more lookup to forget)."""
+        node.lookups += 1
+        return self._node_attr(node)
+
     def _status_bytes(self) -> bytes:
         s = self.state
         now = time.time()
@@ -408,120 +551,168 @@ class LakeFS(pyfuse3.Operations):
                 },
                 "lag_seconds": round(now - newest, 3) if newest else None,
                 "cache_bytes": self.cache.nbytes,
+                "inodes": len(self.inodes.nodes),
+                "follow_error": self.follow_error,
             },
             option=orjson.OPT_INDENT_2,
         )
 
-    def _file_attr(self, rank: int, step: int, sl: Slice, index: int) -> pyfuse3.EntryAttributes:
-        size = len(sl.meta) if index == META_INDEX else sl.files[index].length
-        return self._attr(file_inode(rank, step, index), stat.S_IFREG | 0o444, size)
+    def _fixed(self, inode: int) -> tuple[str, int]:
+        """(kind, rank) of a fixed inode: root, status, rank or latest; ENOENT for others."""
+        if inode == ROOT:
+            return "root", 0
+        if inode == STATUS:
+            return "status", 0
+        r, latest = divmod(inode - RANK_BASE, 2)
+        if inode >= RANK_BASE and r in self._cursor:
+            return ("latest" if latest else "rank"), r
+        raise pyfuse3.FUSEError(errno.ENOENT)
 
-    def _rank_of(self, inode: int) -> int:
-        kind, r, _, _ = decode_inode(inode)
-        if r not in self._cursor:
+    async def _node(self, inode: int) -> Node:
+        """The node of `inode`, once committed (a pending one waits, or fails with ENOENT); ESTALE
+        if its TGB is no longer the committed one."""
+        node = self.inodes.nodes.get(inode)
+        if node is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
-        return r
+        if node.kind == "pending":
+            entry = self.state.step(node.step) if await self._wait_for(node.step) else None
+            if entry is None:
+                now = time.monotonic()
+                self._expired = {k: t for k, t in self._expired.items() if t > now}
+                self._expired[node.rank, node.step] = now + EXPIRED_GRACE
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            if node.kind == "pending":  # not bound by another request meanwhile
+                self.inodes.bind(node, entry)
+        if not self._current(node):
+            raise pyfuse3.FUSEError(errno.ESTALE)
+        return node
 
     @_handler
     async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
-        kind, r, step, index = decode_inode(inode)
+        if inode in self.inodes.nodes:
+            return self._node_attr(await self._node(inode))
+        kind, r = self._fixed(inode)
         if kind == "root":
             return self._attr(ROOT, stat.S_IFDIR | 0o555)
         if kind == "status":
             return self._attr(STATUS, stat.S_IFREG | 0o444, len(self._status_bytes()), timeout=0)
-        self._rank_of(inode)
         if kind == "rank":
             return self._attr(inode, stat.S_IFDIR | 0o555)
-        if kind == "latest":
-            return self._attr(inode, stat.S_IFLNK | 0o444, 12, timeout=0)
-        if self.state.step(step) is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
-        if kind == "step":
-            return self._attr(inode, stat.S_IFDIR | 0o555)
-        if kind == "file":
-            sl = await self._slice(r, step)
-            if index != META_INDEX and index >= len(sl.files):
-                raise pyfuse3.FUSEError(errno.ENOENT)
-            return self._file_attr(r, step, sl, index)
-        raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._attr(inode, stat.S_IFLNK | 0o444, 12, timeout=0)
 
     @_handler
     async def lookup(self, parent: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
-        kind, r, step, _ = decode_inode(parent)
+        if parent in self.inodes.nodes:
+            node = await self._node(parent)
+            if node.kind != "step":
+                raise pyfuse3.FUSEError(errno.ENOTDIR)
+            sl = await self._slice(node)
+            index = META if name == META_NAME else sl.names.get(name)
+            if index is None:
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            assert node.entry is not None
+            size = len(sl.meta) if index == META else sl.files[index].length
+            return self._ref(self.inodes.get("file", node.rank, node.step, node.entry, index, size))
+        kind, r = self._fixed(parent)
         if kind == "root":
             if name == STATUS_NAME:
                 return await self.getattr(STATUS)
-            if name.startswith(b"rank-") and name[5:].isdigit() and int(name[5:]) in self._cursor:
-                if name == b"rank-%d" % int(name[5:]):
-                    return await self.getattr(RANK_BASE + int(name[5:]))
+            if name.startswith(b"rank-") and name[5:].isdigit() and name == b"rank-%d" % int(name[5:]):
+                if int(name[5:]) in self._cursor:
+                    return await self.getattr(RANK_BASE + 2 * int(name[5:]))
             raise pyfuse3.FUSEError(errno.ENOENT)
-        if kind == "rank":
-            self._rank_of(parent)
-            if name == LATEST_NAME:
-                if self.state.head < self.state.first_step:
-                    raise pyfuse3.FUSEError(errno.ENOENT)
-                return await self.getattr(LATEST_BASE + r)
-            if len(name) != 12 or not name.isdigit():
+        if kind != "rank":
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        s = self.state
+        if name == LATEST_NAME:
+            if s.head < s.first_step:
                 raise pyfuse3.FUSEError(errno.ENOENT)
-            want = int(name)
-            if want >= MAX_STEP or not await self._wait_for(want):
-                raise pyfuse3.FUSEError(errno.ENOENT)
-            entry = self.state.step(want)
-            assert entry is not None
-            self._seen.setdefault((r, want), (entry.version, 0))
-            return self._attr(step_inode(r, want), stat.S_IFDIR | 0o555)
-        if kind == "step":
-            if self.state.step(step) is None:
-                raise pyfuse3.FUSEError(errno.ENOENT)
-            sl = await self._slice(r, step)
-            if name == META_NAME:
-                return self._file_attr(r, step, sl, META_INDEX)
-            index = sl.names.get(name)
-            if index is not None:
-                return self._file_attr(r, step, sl, index)
-        raise pyfuse3.FUSEError(errno.ENOENT)
+            return await self.getattr(RANK_BASE + 2 * r + 1)
+        step = step_of_name(name)
+        if step is None or step < s.first_step:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        entry = s.step(step)
+        if entry is not None:
+            return self._ref(self.inodes.get("step", r, step, entry))
+        if step <= s.head or self.wait <= 0 or self.closing.is_set():
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        if self._expired.get((r, step), 0.0) > time.monotonic():
+            raise pyfuse3.FUSEError(errno.ENOENT)  # its wait just ran out: `ls` does not wait twice
+        return self._ref(self.inodes.get("pending", r, step, None))
 
     @_handler
     async def readlink(self, inode: int, ctx: Any = None) -> bytes:
-        self._rank_of(inode)
+        if inode in self.inodes.nodes or self._fixed(inode)[0] != "latest":
+            raise pyfuse3.FUSEError(errno.EINVAL)
         return b"%012d" % self.state.head
+
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for inode, n in inode_list:
+            self.inodes.forget(inode, n)
 
     # -- directories ---------------------------------------------------------------------------
 
+    def _open_handle(self, target: Node | int | bytes) -> int:
+        self._next_fh += 1
+        self._handles[self._next_fh] = target
+        return self._next_fh
+
     @_handler
     async def opendir(self, inode: int, ctx: Any = None) -> int:
-        await self.getattr(inode)
-        return inode
+        if inode in self.inodes.nodes:
+            node = await self._node(inode)
+            if node.kind != "step":
+                raise pyfuse3.FUSEError(errno.ENOTDIR)
+            return self._open_handle(node)
+        kind, _ = self._fixed(inode)
+        if kind not in ("root", "rank"):
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return self._open_handle(inode)
+
+    def _reply(self, token: Any, name: bytes, node: Node, next_id: int) -> bool:
+        if pyfuse3.readdir_reply(token, name, self._node_attr(node), next_id):
+            node.lookups += 1
+            return True
+        if node.lookups == 0:
+            self.inodes.drop(node)
+        return False
 
     @_handler
     async def readdir(self, fh: int, start_id: int, token: Any) -> None:
-        kind, r, step, _ = decode_inode(fh)
+        target = self._handles.get(fh)
+        if isinstance(target, Node):  # a step directory, as of the TGB it was opened at
+            assert target.entry is not None
+            sl = await self.cache.get(target.rank, target.entry)
+            names = [(META_NAME, META), *sl.names.items()]
+            for i in range(start_id, len(names)):
+                name, index = names[i]
+                size = len(sl.meta) if index == META else sl.files[index].length
+                node = self.inodes.get("file", target.rank, target.step, target.entry, index, size)
+                if not self._reply(token, name, node, i + 1):
+                    return
+            return
+        if not isinstance(target, int):
+            raise pyfuse3.FUSEError(errno.EBADF)
+        kind, r = self._fixed(target)
         if kind == "root":
-            entries = [(STATUS_NAME, STATUS)] + [(b"rank-%d" % x, RANK_BASE + x) for x in self.ranks]
+            entries = [(STATUS_NAME, STATUS)] + [(b"rank-%d" % x, RANK_BASE + 2 * x) for x in self.ranks]
             for i in range(start_id, len(entries)):
                 name, ino = entries[i]
                 if not pyfuse3.readdir_reply(token, name, await self.getattr(ino), i + 1):
                     return
-        elif kind == "rank":
-            s = self.state
-            # ids: 0 = start, 1 = after `latest`, step + 2 = after that step
-            if start_id == 0 and s.head >= s.first_step:
-                if not pyfuse3.readdir_reply(token, LATEST_NAME, await self.getattr(LATEST_BASE + r), 1):
-                    return
-            for n in range(max(s.first_step, start_id - 1 if start_id > 1 else 0), s.head + 1):
-                attr = self._attr(step_inode(r, n), stat.S_IFDIR | 0o555)
-                if not pyfuse3.readdir_reply(token, b"%012d" % n, attr, n + 2):
-                    return
-        elif kind == "step":
-            sl = await self._slice(r, step)
-            names = [(META_NAME, META_INDEX), *sl.names.items()]
-            for i in range(start_id, len(names)):
-                name, index = names[i]
-                if not pyfuse3.readdir_reply(token, name, self._file_attr(r, step, sl, index), i + 1):
-                    return
+            return
+        s = self.state
+        # ids: 0 = start, 1 = after `latest`, step + 2 = after that step
+        if start_id == 0 and s.head >= s.first_step:
+            if not pyfuse3.readdir_reply(token, LATEST_NAME, await self.getattr(RANK_BASE + 2 * r + 1), 1):
+                return
+        for n in range(max(s.first_step, start_id - 1 if start_id > 1 else 0), s.head + 1):
+            entry = s.step(n)
+            if entry is not None and not self._reply(token, b"%012d" % n, self.inodes.get("step", r, n, entry), n + 2):
+                return
 
     async def releasedir(self, fh: int) -> None:
-        pass
+        self._handles.pop(fh, None)
 
     # -- files ---------------------------------------------------------------------------------
 
@@ -529,32 +720,39 @@ class LakeFS(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: Any = None) -> pyfuse3.FileInfo:
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT):
             raise pyfuse3.FUSEError(errno.EROFS)
-        kind, r, step, index = decode_inode(inode)
-        if kind == "status":
-            fh = self._next_fh = self._next_fh + 1
-            self._status[fh] = self._status_bytes()
-            return pyfuse3.FileInfo(fh=fh, direct_io=True)
-        if kind != "file":
-            raise pyfuse3.FUSEError(errno.EISDIR if kind in ("root", "rank", "step") else errno.ENOENT)
-        await self.getattr(inode)
-        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+        if inode == STATUS:
+            return pyfuse3.FileInfo(fh=self._open_handle(self._status_bytes()), direct_io=True)
+        if inode not in self.inodes.nodes:
+            kind, _ = self._fixed(inode)
+            raise pyfuse3.FUSEError(errno.EISDIR if kind in ("root", "rank") else errno.ELOOP)
+        node = await self._node(inode)
+        if node.kind != "file":
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        return pyfuse3.FileInfo(fh=self._open_handle(node), keep_cache=True)
 
     @_handler
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        status = self._status.get(fh)
-        if status is not None:
-            return status[off : off + size]
-        _, r, step, index = decode_inode(fh)
-        sl = await self._slice(r, step)
-        if index == META_INDEX:
+        target = self._handles.get(fh)
+        if isinstance(target, bytes):
+            return target[off : off + size]
+        if not isinstance(target, Node) or target.kind != "file":
+            raise pyfuse3.FUSEError(errno.EBADF)
+        try:
+            sl = await self._slice(target)  # the TGB it was opened at, even after a rewind
+        except Exception as e:
+            if not isinstance(_leaf(e), lakestream.StepUnavailable):
+                raise
+            log.info("read: %s", _leaf(e))  # its TGB was discarded or reclaimed, and its bytes are gone
+            raise pyfuse3.FUSEError(errno.ESTALE) from None
+        if target.index == META:
             return sl.meta[off : off + size]
-        f = sl.files[index]
+        f = sl.files[target.index]
         start = f.offset + min(off, f.length)
         end = f.offset + min(off + size, f.length)
         return sl.data[start:end]  # a memoryview: no copy before pyfuse3's own
 
     async def release(self, fh: int) -> None:
-        self._status.pop(fh, None)
+        self._handles.pop(fh, None)
 
     async def statfs(self, ctx: Any = None) -> pyfuse3.StatvfsData:
         s = pyfuse3.StatvfsData()
