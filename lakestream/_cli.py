@@ -84,7 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gc", help="reclaim steps below the watermark, delete what nothing needs")
     p.add_argument("url")
     p.add_argument("--dry-run", action="store_true")
-    p.add_argument("--orphan-grace", type=float, default=3600.0, metavar="SECONDS")
+    p.add_argument("--orphan-grace", type=float, default=3600.0, metavar="SECONDS",
+                   help="age at which an uncommitted upload of a live producer is deleted (at least 300)")  # fmt: skip
+    p.add_argument("--force-grace", action="store_true",
+                   help="allow an --orphan-grace below 300 s: only when no producer of the stream is running")  # fmt: skip
 
     p = sub.add_parser("verify", help="check every invariant and checksum")
     p.add_argument("url")
@@ -223,7 +226,7 @@ async def _rewind(a: argparse.Namespace) -> int:
 
 
 async def _gc(a: argparse.Namespace) -> int:
-    report = await lakestream.gc(a.url, dry_run=a.dry_run, orphan_grace=a.orphan_grace)
+    report = await lakestream.gc(a.url, dry_run=a.dry_run, orphan_grace=a.orphan_grace, force_grace=a.force_grace)
     print(report.summary())
     return 0
 

@@ -28,14 +28,14 @@ from typing import Any
 
 import orjson
 
-from ._errors import ConfigMismatch, StepUnavailable
+from ._errors import ConfigMismatch, StepUnavailable, StoreFull
 from ._log import HINT_KEY, LOG_PREFIX, SNAPSHOT_PREFIX, Manifest, _version_of, log_key
 from ._manifest import State, decode_record
 from ._producer import parse_segment_key
 from ._retry import retry
 from ._store import ObjectStore
 
-__all__ = ["GcReport", "checkpoint", "gc", "release", "rewind"]
+__all__ = ["MIN_ORPHAN_GRACE", "GcReport", "checkpoint", "gc", "release", "rewind"]
 
 
 async def checkpoint(store: ObjectStore, checkpoint_id: str, step: int) -> bool:
@@ -116,26 +116,34 @@ async def rewind(store: ObjectStore, *, to_checkpoint: str | None = None, to_ste
     return m.state
 
 
+MIN_ORPHAN_GRACE = 300.0  # seconds; see `gc`
+
+
 @dataclass(slots=True)
 class GcReport:
     url: str
     dry_run: bool
     reclaimed_below: int | None = None
-    segments_deleted: int = 0
-    segment_bytes_deleted: int = 0  # of the reclaimed steps
+    segments_deleted: int = 0  # every segment deleted: of reclaimed steps and orphans
+    bytes_freed: int = 0  # their bytes and the temporary files', as the store listed them
     orphans_kept: int = 0
+    temporaries_deleted: int = 0  # files of interrupted puts (file:// stores)
     log_versions_deleted: int = 0
     snapshots_deleted: int = 0
     deleted: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        verb = "would delete" if self.dry_run else "deleted"
+        would = "would " if self.dry_run else ""
         below = "nothing" if self.reclaimed_below is None else f"steps below {self.reclaimed_below}"
+        temporaries = f", {self.temporaries_deleted} temporary files" if self.temporaries_deleted else ""
         return (
-            f"gc {self.url}: reclaimed {below} ({self.segment_bytes_deleted / 1e6:.1f} MB); {verb} "
-            f"{self.segments_deleted} unreferenced segments ({self.orphans_kept} recent uploads kept), "
-            f"{self.log_versions_deleted} log versions, {self.snapshots_deleted} snapshots"
+            f"gc {self.url}: {would}reclaim {below}; {would}delete {self.segments_deleted} segments "
+            f"({self.orphans_kept} recent uploads kept){temporaries}, {self.log_versions_deleted} log versions, "
+            f"{self.snapshots_deleted} snapshots; {would}free {self.bytes_freed / 1e6:.1f} MB"
         )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
 
 class _Progress:
@@ -159,39 +167,27 @@ async def _delete(store: ObjectStore, keys: list[str], what: str, progress: Call
         progress(what, min(i + 1000, len(keys)), len(keys))
 
 
-async def gc(
+async def _reclaim(m: Manifest, now: Callable[[], float]) -> State:
+    await m.append(
+        lambda st: {"kind": "reclaim", "below": st.watermark, "ts": now()} if st.watermark > st.first_step else None
+    )
+    return m.state
+
+
+async def _delete_segments(
     store: ObjectStore,
-    *,
-    dry_run: bool = False,
-    orphan_grace: float = 3600.0,
-    lease: float = 600.0,
-    progress: bool | None = None,
-    now: Callable[[], float] = time.time,
-) -> GcReport:
-    """Reclaim steps below the watermark and delete what nothing can need any more."""
-    show = _Progress(sys.stderr.isatty() if progress is None else progress)
-    report = GcReport(store.url, dry_run)
-    m = Manifest(store, lease=lease)
-    state = await m.load()
-
-    # 1. the reclaim record comes first: after it, nothing below the watermark is readable
-    if state.watermark > state.first_step:
-        report.reclaimed_below = state.watermark
-        if not dry_run:
-            await m.append(
-                lambda st: {"kind": "reclaim", "below": st.watermark, "ts": now()}
-                if st.watermark > st.first_step
-                else None
-            )
-            state = m.state
-
-    # 2. segments: listed after the state was read, so a segment committed meanwhile is either in
-    # the state or younger than the grace period
-    first_step = report.reclaimed_below if dry_run and report.reclaimed_below is not None else state.first_step
+    state: State,
+    first_step: int,
+    t: float,
+    orphan_grace: float,
+    report: GcReport,
+    progress: Callable[[str, int, int], None],
+) -> None:
+    """Delete every listed segment that no step from `first_step` on references and that can
+    never be committed, or is an upload older than the grace; add them to `report`."""
     referenced = {s.segment for s in state.steps if s.step >= first_step}
-    doomed: list[str] = []
-    t = now()
-    for key in await retry(lambda: store.list("segments/")):
+    doomed: dict[str, int] = {}
+    for key, size in (await retry(lambda: store.list_sizes("segments/"))).items():
         if key in referenced:
             continue
         parsed = parse_segment_key(key)
@@ -207,12 +203,66 @@ async def gc(
         if not dead and t - max(uploaded, last_seen) < orphan_grace:
             report.orphans_kept += 1
             continue
-        doomed.append(key)
-    report.segments_deleted = len(doomed)
-    report.segment_bytes_deleted = sum(s.nbytes for s in state.steps if s.step < first_step)
-    report.deleted = doomed
-    if not dry_run:
-        await _delete(store, doomed, "segments", show)
+        doomed[key] = size
+    report.segments_deleted += len(doomed)
+    report.bytes_freed += sum(doomed.values())
+    report.deleted.extend(doomed)
+    if not report.dry_run:
+        await _delete(store, list(doomed), "segments", progress)
+
+
+async def gc(
+    store: ObjectStore,
+    *,
+    dry_run: bool = False,
+    orphan_grace: float = 3600.0,
+    force_grace: bool = False,
+    lease: float = 600.0,
+    progress: bool | None = None,
+    now: Callable[[], float] = time.time,
+) -> GcReport:
+    """Reclaim steps below the watermark and delete what nothing can need any more.
+
+    `orphan_grace` is how old an unreferenced upload of a live producer must be before it goes;
+    below MIN_ORPHAN_GRACE it is refused unless `force_grace` says no producer is running (an
+    upload may wait that long for its commit: producers re-check uploads held over a minute, and
+    the commit after the re-check must land within the rest of the floor).
+    A full store (StoreFull) does not stop GC: it deletes what needs no record first, then writes.
+    """
+    if not isinstance(orphan_grace, (int, float)) or not orphan_grace >= 0:
+        raise ValueError(f"orphan grace must be a non-negative number of seconds, got {orphan_grace!r}")
+    if orphan_grace < MIN_ORPHAN_GRACE and not force_grace:
+        raise ValueError(
+            f"orphan grace {orphan_grace:g} s is below the safe floor of {MIN_ORPHAN_GRACE:g} s: a running "
+            "producer's upload may wait that long for its commit; force it only when no producer is running"
+        )
+    show = _Progress(sys.stderr.isatty() if progress is None else progress)
+    report = GcReport(store.url, dry_run)
+    m = Manifest(store, lease=lease)
+    state = await m.load()
+
+    remove_temporaries = getattr(store, "remove_temporaries", None)
+    if remove_temporaries is not None and not dry_run:
+        report.temporaries_deleted, report.bytes_freed = await remove_temporaries(orphan_grace)
+
+    # 1. the reclaim record comes first: after it, nothing below the watermark is readable
+    if state.watermark > state.first_step:
+        report.reclaimed_below = state.watermark
+        if not dry_run:
+            try:
+                state = await _reclaim(m, now)
+            except StoreFull:
+                # Nothing can be written: free what needs no record first, then write it. Steps
+                # below the watermark are needed by no retained checkpoint, and a reader that asks
+                # for one meanwhile is told it was reclaimed (StepUnavailable), as after the record.
+                await _delete_segments(store, state, state.watermark, now(), orphan_grace, report, show)
+                state = await _reclaim(m, now)
+
+    # 2. segments: listed after the state was read, so a segment committed meanwhile is either in
+    # the state or younger than the grace period
+    first_step = report.reclaimed_below if dry_run and report.reclaimed_below is not None else state.first_step
+    t = now()
+    await _delete_segments(store, state, first_step, t, orphan_grace, report, show)
 
     # 3. log versions and snapshots below a snapshot committed more than `lease` ago
     listed = await retry(lambda: store.list(SNAPSHOT_PREFIX))
@@ -220,8 +270,11 @@ async def gc(
     if not snapshots or snapshots[-1] < m.state.version - m.state.config.snapshot_every // 2:  # type: ignore[union-attr]
         if not dry_run:
             data = m.state.copy().to_json()
-            await retry(lambda: m.write_snapshot(data, m.state.version))
-            snapshots.append(m.state.version)
+            try:
+                await retry(lambda: m.write_snapshot(data, m.state.version))
+                snapshots.append(m.state.version)
+            except StoreFull:
+                pass  # a snapshot saves readers time, never data: log clean-up waits for the next run
     horizon = None
     for v in reversed(snapshots):
         try:

@@ -274,7 +274,7 @@ class Reader:
             data = await retry(lambda: self.store.get_range(entry.segment, r.offset, r.length))
         except ObjectNotFound:
             await self.manifest.refresh()  # reclaimed or discarded since we looked?
-            if self.state.first_step > entry.step:
+            if self.state.first_step > entry.step or entry.step < self.state.watermark:  # GC on a full store
                 raise StepUnavailable(f"{self.url}: step {entry.step} was reclaimed while being read") from None
             if self.state.step(entry.step) != entry:
                 raise StepUnavailable(f"{self.url}: step {entry.step} was discarded by a rewind while being read") from None

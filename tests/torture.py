@@ -14,8 +14,9 @@ What runs, concurrently, for the chaos phase:
   journaled (step, manifest version, producer, keys, a hash of every field). Reader processes and
   the mount daemon are SIGKILLed at random moments and restarted where their journal ends;
 * rank 0's role (this process): a checkpoint every 6 steps, once every reader has consumed the step;
-* `lakestream gc --orphan-grace G` every few seconds (sometimes SIGKILLed half-way); G is 30 s:
-  5 s lost committed data in a long run (see docs/guarantees.md, "Torture test");
+* `lakestream gc --orphan-grace G --force-grace` every few seconds (sometimes SIGKILLed half-way);
+  G is 30 s, below the 300 s floor on purpose, to stress the producers' re-check of held uploads
+  (5 s lost committed data in a long run; see docs/guarantees.md, "Torture test");
 * one `lakestream rewind --to-checkpoint` half-way: every producer is fenced (exits non-zero
   with "fenced") and is restarted, resuming from its cursor as of the checkpoint; the Python
   readers notice the rewind themselves (StepUnavailable) and the mount readers are restarted,
@@ -899,7 +900,7 @@ class Torture:
         import anyio.to_thread
 
         self.gc_before = await anyio.to_thread.run_sync(self.list_objects)
-        self.gc_child = self.spawn("gc", "gc", ["cli", "gc", self.url, "--orphan-grace", str(self.cfg.orphan_grace)])
+        self.gc_child = self.spawn("gc", "gc", ["cli", "gc", self.url, "--orphan-grace", str(self.cfg.orphan_grace), "--force-grace"])
         self.gc_kill_at = None
         if self.chaos and self.rng.random() < self.cfg.gc_kill_probability:
             self.gc_kill_at = time.monotonic() + self.rng.uniform(0.3, 1.2)
@@ -1305,7 +1306,7 @@ class Torture:
         await self.refresh()
         for attempt in range(10):
             before = self.list_objects()
-            rc, text = await self.run_cli("gc", self.url, "--orphan-grace", 0, name="gc-final")
+            rc, text = await self.run_cli("gc", self.url, "--orphan-grace", 0, "--force-grace", name="gc-final")
             self.account_deleted(before, self.list_objects())
             if rc == 0:
                 self.counts["gc_ok"] += 1
@@ -1479,7 +1480,7 @@ class Torture:
         report = None
         for attempt in range(10):
             try:
-                report = await lakestream.gc(self.store, orphan_grace=0, lease=0)
+                report = await lakestream.gc(self.store, orphan_grace=0, force_grace=True, lease=0)
                 break
             except lakestream.StoreError:
                 continue

@@ -37,6 +37,9 @@ class ObjectStore(Protocol):
     async def list(self, prefix: str) -> list[str]:
         """Every key starting with `prefix`, sorted."""
 
+    async def list_sizes(self, prefix: str) -> dict[str, int]:
+        """Every key starting with `prefix`, with its size in bytes."""
+
     async def delete(self, keys: list[str]) -> None:
         """Delete the objects; missing ones are ignored."""
 

@@ -145,6 +145,11 @@ class FaultyStore:
         await self._sleep(self._delay("list"))
         return await self.inner.list(prefix)
 
+    async def list_sizes(self, prefix: str) -> dict[str, int]:
+        await self._before("list", prefix)
+        await self._sleep(self._delay("list"))
+        return await self.inner.list_sizes(prefix)
+
     async def delete(self, keys: list[str]) -> None:
         await self._before("delete", ",".join(keys))
         await self._sleep(self._delay("delete"))

@@ -157,6 +157,15 @@ class FileStore:
             raise self._error(e, "put", key) from None
         return True
 
+    def _list_sizes(self, prefix: str) -> dict[str, int]:
+        sizes = {}
+        for key in self._list(prefix):
+            try:
+                sizes[key] = os.stat(self._path(key)).st_size
+            except FileNotFoundError:
+                pass  # deleted since it was listed
+        return sizes
+
     def _list(self, prefix: str) -> list[str]:
         # Walk only the directory that can hold the prefix.
         base, _, _ = prefix.rpartition("/")
@@ -200,6 +209,10 @@ class FileStore:
     async def list(self, prefix: str) -> list[str]:
         self.requests += 1
         return await anyio.to_thread.run_sync(self._list, prefix)
+
+    async def list_sizes(self, prefix: str) -> dict[str, int]:
+        self.requests += 1
+        return await anyio.to_thread.run_sync(self._list_sizes, prefix)
 
     async def delete(self, keys: list[str]) -> None:
         self.requests += 1

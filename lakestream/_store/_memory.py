@@ -33,6 +33,9 @@ class MemoryStore:
     async def list(self, prefix: str) -> list[str]:
         return sorted(k for k in self.objects if k.startswith(prefix))
 
+    async def list_sizes(self, prefix: str) -> dict[str, int]:
+        return {k: len(self.objects[k]) for k in await self.list(prefix)}
+
     async def delete(self, keys: list[str]) -> None:
         for key in keys:
             self.objects.pop(key, None)

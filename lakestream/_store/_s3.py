@@ -314,19 +314,23 @@ class S3Store:
 
     async def list(self, prefix: str) -> list[str]:
         """Every key starting with `prefix`, sorted here (not every server lists in byte order)."""
+        return sorted(await self.list_sizes(prefix))
+
+    async def list_sizes(self, prefix: str) -> dict[str, int]:
+        """Every key starting with `prefix`, with its size."""
         full = self._root + prefix
         cut = len(self._root)
-        keys: set[str] = set()
+        keys: dict[str, int] = {}
         token: str | None = None
         while True:
             params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full}
             if token:
                 params["ContinuationToken"] = token
             page = await self._run("list", None, lambda c, p=params: c.list_objects_v2(**p))
-            keys.update(o["Key"][cut:] for o in page.get("Contents", ()) if not o["Key"].endswith("/"))
+            keys.update((o["Key"][cut:], int(o.get("Size", 0))) for o in page.get("Contents", ()) if not o["Key"].endswith("/"))
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
-                return sorted(keys)
+                return keys
 
     async def delete(self, keys: list[str]) -> None:
         """Delete the objects (DeleteObjects, 1000 a request); missing ones are ignored."""
