@@ -16,10 +16,12 @@ import os
 import random
 import re
 import signal
+import struct
 import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -826,3 +828,248 @@ def test_a_corrupt_slice_reads_as_eio_and_the_mount_stays_up(tmp_path: Path, mou
     log = m.log()
     assert re.search(r"step 3\b.*rank 1\b", log), log
     assert "checksum mismatch" in log
+
+
+# -- 11. inode numbers, rewinds, bytes that change under the mount ------------------------------------------
+
+
+def test_inode_numbers_never_collide_for_any_shape_the_stream_accepts() -> None:
+    """Ranks up to 65535, steps past 2^32 and 2^40, slices of 2^24 samples with several fields:
+    every (rank, step, version, file) gets its own number, and a number is never handed out twice,
+    not even after the kernel forgot the node that had it."""
+    from lakestream_mount._fs import RANK_BASE, Inodes
+
+    world = 65536
+    inodes = Inodes(RANK_BASE + 2 * world)
+    entry = lambda step, version: lakestream.Step(  # noqa: E731
+        step=step, version=version, segment="s", producer="p", epoch=1, seq=0, ranks=(), cursor=None, ts=0.0
+    )
+    keys = {}
+    for rank in (0, 1, 2047, 2048, 65535):
+        for step in (0, 1, (1 << 32) - 1, 1 << 32, 1 << 40):
+            for version in (5, 6):
+                e = entry(step, version)
+                keys["step", rank, step, version, -1] = inodes.get("step", rank, step, e).inode
+                for index in (-1, 0, 1, (1 << 20) - 1, 1 << 20, (1 << 24) * 4 - 1):
+                    keys["file", rank, step, version, index] = inodes.get("file", rank, step, e, index, 1).inode
+    numbers = list(keys.values())
+    assert len(set(numbers)) == len(numbers) and min(numbers) >= RANK_BASE + 2 * world
+    node = inodes.get("file", 0, 0, entry(0, 5), 0)
+    assert node.inode == keys["file", 0, 0, 5, 0]  # the same key: the same node
+    node.lookups = 2
+    inodes.forget(node.inode, 1)
+    assert inodes.nodes.get(node.inode) is node
+    inodes.forget(node.inode, 1)
+    assert node.inode not in inodes.nodes
+    again = inodes.get("file", 0, 0, entry(0, 5), 0)
+    assert again.inode not in numbers  # a forgotten number is never reused
+
+
+def test_a_world_of_2100_ranks_serves_each_rank_its_own_samples(tmp_path: Path, mounts) -> None:
+    url = file_url(tmp_path / "stream")
+    world = 2100
+    create(url, world, world)
+    produce(url, "p", [{"__key__": f"k{i:05d}", "txt": f"sample {i}"} for i in range(2 * world)])  # steps 0, 1
+    ranks = [0, 1, 2047, 2048, 2049, world - 1]
+    truth = committed(url, ranks)
+    m = mounts(url, "--ranks", ",".join(map(str, ranks)), "--prefetch", 0)
+    inos = set()
+    for rank in ranks:
+        for step in (0, 1):
+            d = m.mountpoint / f"rank-{rank}" / step_name(step)
+            meta, files = read_step_dir(d)
+            assert files == truth[rank, step], (rank, step)
+            check_meta(meta, rank, step, files)
+            inos |= {os.stat(d / name).st_ino for name in [*files, "_meta.json"]}
+            inos.add(os.stat(d).st_ino)
+    assert len(inos) == len(ranks) * 2 * 3  # a directory, a sample file and _meta.json per (rank, step)
+
+
+def test_a_file_held_open_across_a_rewind_reads_its_own_bytes(tmp_path: Path, mounts) -> None:
+    """Steps 2 and 3 are discarded and re-committed with samples of the same names: a file opened
+    before keeps its own bytes (or fails with ESTALE/EIO), never the new sample's; opening the name
+    again gives the new sample; names of the old TGB that the new one lacks are gone."""
+    url = file_url(tmp_path / "stream")
+    create(url, 1, 2)
+    produce(url, "p", [{"__key__": f"k{i}", "bin": b"old %d " % i * 500, "only_old": b"x"} for i in range(8)])
+    old = committed(url)
+    m = mounts(url, "--wait", 1, "--prefetch", 0)
+    r0 = m.mountpoint / "rank-0"
+    read_fd = os.open(r0 / step_name(3) / "k6.bin", os.O_RDONLY)  # read once before the rewind
+    unread_fd = os.open(r0 / step_name(2) / "k4.bin", os.O_RDONLY)  # opened, never read before
+    meta_fd = os.open(r0 / step_name(2) / "_meta.json", os.O_RDONLY)
+    try:
+        assert os.pread(read_fd, 1 << 20, 0) == old[0, 3]["k6.bin"]
+        old_ino = os.fstat(read_fd).st_ino
+
+        anyio.run(lambda: lakestream.rewind(url, to_step=1))
+        produce(url, "q", [{"__key__": f"k{i}", "bin": b"new %d " % i * 300} for i in range(4, 8)])  # steps 2, 3
+        new = committed(url)
+        assert new[0, 3]["k6.bin"] != old[0, 3]["k6.bin"]
+        wait_until(lambda: m.status()["version"] == anyio.run(lakestream.load_state, url).version, 5.0, "caught up")
+
+        held = {}
+        for what, fd, want in (
+            ("read before", read_fd, old[0, 3]["k6.bin"]),
+            ("never read", unread_fd, old[0, 2]["k4.bin"]),
+        ):
+            try:
+                got = os.pread(fd, 1 << 20, 0)
+            except OSError as e:
+                held[what] = errno.errorcode.get(e.errno, e.errno)
+                assert e.errno in (errno.ESTALE, errno.EIO), (what, e)
+            else:
+                held[what] = "own bytes" if got == want else "OTHER BYTES"
+        assert held == {"read before": "own bytes", "never read": "own bytes"} or "OTHER BYTES" not in held.values()
+        try:
+            assert json.loads(os.pread(meta_fd, 1 << 20, 0))["producer"] == "p"
+        except OSError as e:
+            assert e.errno in (errno.ESTALE, errno.EIO)
+
+        with open(r0 / step_name(3) / "k6.bin", "rb") as f:  # the name now: the new sample
+            assert f.read() == new[0, 3]["k6.bin"]
+            assert os.fstat(f.fileno()).st_ino != old_ino
+        assert errno_of(lambda: os.stat(r0 / step_name(3) / "k6.only_old")) == errno.ENOENT
+        meta, files = read_step_dir(r0 / step_name(2))
+        assert files == new[0, 2] and meta["producer"] == "q"
+    finally:
+        for fd in (read_fd, unread_fd, meta_fd):
+            os.close(fd)
+
+
+def test_bytes_flipped_in_a_mapped_segment_after_the_check_are_never_served(tmp_path: Path, mounts) -> None:
+    """file:// maps slices of 1 MiB and more: the mount must serve a checked copy, not the mapping."""
+    url = file_url(tmp_path / "stream")
+    create(url, 1, 1)
+    rng = random.Random(8)
+    produce(url, "p", [{"__key__": "big", "a": rng.randbytes(1_500_000), "b": rng.randbytes(1_000_000)}])
+    truth = committed(url)[0, 0]
+    m = mounts(url, "--prefetch", 0)
+    d = m.mountpoint / "rank-0" / step_name(0)
+    with open(d / "big.a", "rb") as f:  # fetches, checks and caches the whole slice
+        assert f.read() == truth["big.a"]
+
+    entry = anyio.run(lakestream.load_state, url).step(0)
+    assert entry is not None
+    segment = tmp_path / "stream" / entry.segment
+    at = entry.ranks[0].offset + entry.ranks[0].length - 500_000  # inside field b, never read so far
+    with open(segment, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        with open(d / "big.b", "rb") as f:
+            got = f.read()
+    except OSError as e:
+        assert e.errno == errno.EIO, e
+    else:
+        assert got == truth["big.b"], "the mount served bytes changed after its check"
+
+
+# -- 12. hostile names in a segment -----------------------------------------------------------------------------
+
+
+def forge_crc(data: bytearray, pos: int, target: int) -> None:
+    """Set data[pos:pos+4] so that zlib.crc32(data) == target (CRC-32 is affine in those 32 bits)."""
+    data[pos : pos + 4] = bytes(4)
+    base = zlib.crc32(data)
+    basis: list[tuple[int, int]] = []  # (crc difference, which bits flipped), distinct top bits
+    for bit in range(32):
+        d = bytearray(data)
+        d[pos + bit // 8] ^= 1 << (bit % 8)
+        v, m = zlib.crc32(d) ^ base, 1 << bit
+        for bv, bm in basis:
+            if v ^ bv < v:
+                v, m = v ^ bv, m ^ bm
+        if v:
+            basis.append((v, m))
+            basis.sort(reverse=True)
+    want, bits = target ^ base, 0
+    for bv, bm in basis:
+        if want ^ bv < want:
+            want, bits = want ^ bv, bits ^ bm
+    assert want == 0
+    data[pos : pos + 4] = bits.to_bytes(4, "little")
+    assert zlib.crc32(data) == target
+
+
+def plant_header(segment: Path, offset: int, length: int, crc: int, header: list[Any]) -> None:
+    """Rewrite the header of the rank slice at (offset, length) of `segment` in place: same slice
+    length (JSON padded with spaces), same CRC-32 (forged in the last 4 payload bytes)."""
+    raw = bytearray(segment.read_bytes())
+    sl = raw[offset : offset + length]
+    (hlen,) = struct.unpack_from("<I", sl, 4)
+    new = json.dumps(header).encode()
+    assert len(new) <= hlen, (len(new), hlen)
+    sl[8 : 8 + hlen] = new + b" " * (hlen - len(new))
+    forge_crc(sl, len(sl) - 4, crc)
+    raw[offset : offset + length] = sl
+    segment.write_bytes(bytes(raw))
+
+
+HOSTILE = {  # step -> (key, field): names that could not have been put
+    0: (".", "/../../../../tmp/PWNED"),
+    1: ("a/b", "txt"),
+    2: ("_meta", "json"),
+    3: ("k", ".."),
+    4: ("dup", "bin"),  # a second "dup.bin" in the same slice
+}
+
+
+def test_hostile_names_in_a_slice_read_as_eio_and_the_mount_stays_up(tmp_path: Path, mounts) -> None:
+    url = file_url(tmp_path / "stream")
+    create(url, 1, 2)
+    filler = "x" * 40  # long keys: room for any hostile header of the same length
+    produce(url, "p", [{"__key__": f"{filler}{i:02d}", "bin": b"%08d" % i} for i in range(2 * (len(HOSTILE) + 1))])
+    state = anyio.run(lakestream.load_state, url)
+    truth = committed(url)
+    for step, (key, fld) in HOSTILE.items():
+        entry = state.step(step)
+        assert entry is not None
+        r = entry.ranks[0]
+        other = (key, "bin") if step == 4 else (f"{filler}ok", "bin")
+        header = [[key, [[fld, "b", 8]]], [other[0], [[other[1], "b", 8]]]]
+        plant_header(tmp_path / "stream" / entry.segment, r.offset, r.length, r.crc32, header)
+    last = len(HOSTILE)
+    m = mounts(url, "--prefetch", 0)
+    r0 = m.mountpoint / "rank-0"
+    for step in HOSTILE:
+        assert errno_of(lambda: os.listdir(r0 / step_name(step))) == errno.EIO, step
+        assert errno_of(lambda: os.stat(r0 / step_name(step) / "_meta.json")) == errno.EIO, step
+    assert read_step_dir(r0 / step_name(last))[1] == truth[0, last]  # an intact step still reads
+    assert m.proc is not None and m.proc.poll() is None
+    assert not os.path.exists("/tmp/PWNED")
+    log = m.log()
+    for step, (key, _) in HOSTILE.items():
+        assert re.search(rf"step {step} rank 0 object segments/\S+.*{re.escape(repr(key))}", log), (step, log)
+    assert "Traceback" not in log
+
+
+@pytest.mark.parametrize(
+    ("key", "field", "problem"),
+    [
+        (".", "/../x", "contains '.'"),
+        ("a/b", "txt", "contains '/' or NUL"),
+        ("k", "a\0b", "contains '/' or NUL"),
+        ("k", "..", "is '..'"),
+        ("k", "x/../../y", "contains '/'"),
+        ("", "txt", "is empty"),
+        ("k", "", "is empty"),
+        (7, "txt", "is a int"),
+        ("_meta", "json", "reserved name _meta.json"),
+        ("k" * 200, "f" * 60, "at most 255"),
+        ("k\udcff", "txt", "not valid UTF-8"),
+        ("dup", "bin", "occurs twice"),
+    ],
+)
+def test_names_from_a_slice_are_checked_before_they_become_file_names(key: Any, field: str, problem: str) -> None:
+    from lakestream_mount._fs import check_names
+
+    files = [lakestream.FieldRef("dup", "bin", "b", 8, 1), lakestream.FieldRef(key, field, "b", 9, 1)]
+    with pytest.raises(lakestream.CorruptData, match=re.escape(problem)) as exc:
+        check_names(files, "s3://b/stream step 3 rank 1 object segments/p/x.tgb")
+    assert "step 3 rank 1 object segments/p/x.tgb" in str(exc.value)
+    assert check_names(files[:1], "") == {b"dup.bin": 0}

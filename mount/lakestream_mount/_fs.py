@@ -100,10 +100,10 @@ def _invalid_name(name: object, *, dots: bool) -> str | None:
         return "is empty"
     if "/" in name or "\0" in name:
         return "contains '/' or NUL"
-    if name in (".", "..") or ".." in name.split("."):
-        return "contains '..'"
     if not dots and "." in name:
         return "contains '.'"
+    if name in (".", ".."):
+        return f"is {name!r}"
     return None
 
 
