@@ -16,6 +16,10 @@ GC, in this order, so that nothing readable is ever deleted:
 3. delete log versions and snapshots below a snapshot whose version was committed more than
    `lease` ago (see `_log` for why this cannot resurrect a version), snapshots first, keeping
    version 0 (the create record).
+
+GC acts only on a state it could check: if loading skipped a bad snapshot, or the snapshot that
+log clean-up would keep (or the hint would name) fails its checks, it raises CorruptData naming
+it and deletes nothing based on it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 
 import orjson
 
-from ._errors import ConfigMismatch, StepUnavailable, StoreFull
+from ._errors import ConfigMismatch, CorruptData, ObjectNotFound, StepUnavailable, StoreFull
 from ._log import HINT_KEY, LOG_PREFIX, SNAPSHOT_PREFIX, Manifest, _version_of, log_key
 from ._manifest import State, decode_record
 from ._producer import parse_segment_key
@@ -240,6 +244,11 @@ async def gc(
     report = GcReport(store.url, dry_run)
     m = Manifest(store, lease=lease)
     state = await m.load()
+    if m.problems:
+        raise CorruptData(
+            f"{store.url}: gc refuses to run while a snapshot fails its checks ({'; '.join(m.problems)}); "
+            "readers use an older snapshot or the log meanwhile; delete the bad snapshot to let gc run again"
+        )
 
     remove_temporaries = getattr(store, "remove_temporaries", None)
     if remove_temporaries is not None and not dry_run:
@@ -284,6 +293,14 @@ async def gc(
         if isinstance(ts, (int, float)) and t - ts > lease:
             horizon = v
             break
+    try:
+        # never delete the log below a snapshot that fails its checks, nor point the hint at one
+        for v in sorted({horizon, snapshots[-1]}) if horizon is not None else ():
+            await m.read_snapshot(v)
+    except ObjectNotFound:
+        horizon = None  # deleted meanwhile (by another gc): the clean-up is its business
+    except CorruptData as e:
+        raise CorruptData(f"{e}; gc refuses to delete the log below it (delete the bad snapshot)") from None
     if horizon is not None:
         old_snaps = [f"{SNAPSHOT_PREFIX}{v:020d}.json" for v in snapshots if v < horizon]
         logs = sorted(

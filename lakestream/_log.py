@@ -3,7 +3,7 @@
 Layout under the stream root:
 
     _lakestream/log/<version:020d>.json        one record per version; version 0 is `create`
-    _lakestream/snapshots/<version:020d>.json  the whole state at that version
+    _lakestream/snapshots/<version:020d>.json  the whole state at that version, sealed (`State.to_json`)
     _lakestream/last_snapshot                  best-effort hint: {"version": v}
 
 Appending is a put-if-absent of `version + 1`. The loser of a race reads the versions it missed,
@@ -29,10 +29,27 @@ version and believe it committed. Three rules rule it out:
 Within `lease / 2` of a confirmation no version above the confirmed tail can have been deleted
 (it would need a snapshot above it that is `lease` old), so a put in that window meets a
 "precondition failed" rather than a gap.
+
+Snapshots are a cache of the log, and are not trusted blindly (`read_snapshot`). One is used only
+if its checksum matches (`State.from_json`; old unsealed snapshots on their structure alone), every
+field and invariant checks out, the version inside equals the version in its name, the log record
+at that version still exists, and the state reflects that record (`State.check_last_record`: one
+GET, not a replay; it catches a snapshot that drops or alters the newest steps whenever its
+version is a commit, as the producers' snapshots are). A snapshot that fails is skipped with a
+warning naming it, and the next older one is tried, and finally the log from version 0; what was
+skipped is kept in `Manifest.problems`, and GC refuses to act on such a load. A snapshot forged
+with a recomputed checksum and consistent with its own log record is not caught here, only by a
+replay of the log below it.
+
+Without a usable snapshot the log is read from version 0, and one LIST of the log checks that
+the version where reading stopped is really the tail: if later versions exist (the versions below
+were cleaned up, and the snapshot that covered them is gone or bad), the stream has a hole, and
+`load` raises CorruptData naming it rather than showing a stream that looks empty or old.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -42,7 +59,7 @@ from typing import Any
 import anyio
 import orjson
 
-from ._errors import ConfigMismatch, ObjectNotFound, StoreUnavailable, StreamNotFound
+from ._errors import ConfigMismatch, CorruptData, ObjectNotFound, StoreUnavailable, StreamNotFound
 from ._manifest import Config, State, encode_record
 from ._retry import retry
 from ._store import ObjectStore
@@ -55,6 +72,8 @@ SNAPSHOT_PREFIX = "_lakestream/snapshots/"
 HINT_KEY = "_lakestream/last_snapshot"
 MAX_WINDOW = 32
 RATE_HORIZON = 5.0  # seconds over which the log's growth rate is averaged
+
+log = logging.getLogger("lakestream.log")
 
 
 def log_key(version: int) -> str:
@@ -107,11 +126,12 @@ class Manifest:
         lease: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
-        retries: int = 8,
+        retries: int | None = 8,
         rng: random.Random | None = None,
     ) -> None:
         self.store = store
-        self.retries = retries
+        self.retries = retries  # None: retry transient failures for as long as it takes
+        self._attempts = None if retries is None else 6  # of each read
         self.rng = rng or random.Random()
         self.state = State()
         self.lease = lease
@@ -122,6 +142,7 @@ class Manifest:
         self.last_conflicts = 0
         self.last_probe_latency = 0.0  # the read round that found the tail, last time
         self.last_put_latency = 0.0  # the last conditional put
+        self.problems: list[str] = []  # snapshots the last load skipped as bad (see `read_snapshot`)
         self._refreshing = anyio.Lock()
         # Called with the state after each version it applies (tools that must see every step,
         # even one that a rewind discards within the same refresh).
@@ -139,48 +160,103 @@ class Manifest:
     # -- reading -------------------------------------------------------------------------------
 
     async def _get(self, key: str) -> bytes | None:
-        return await retry(lambda: _get_or_none(self.store, key))
+        return await retry(lambda: _get_or_none(self.store, key), attempts=self._attempts)
 
     async def load(self) -> State:
-        """(Re)build the state from the newest snapshot and the log after it.
+        """(Re)build the state from the newest usable snapshot and the log after it.
 
-        Raises StreamNotFound if the stream was never created.
+        Raises StreamNotFound if the stream was never created, CorruptData if no usable snapshot
+        covers a hole in the log (versions missing below others that exist).
         """
         started = self.clock()
-        state = await self._newest_snapshot()
+        self.problems = []
+        state, hinted = await self._newest_snapshot()
         self.state = state or State()
         self.confirmed_at = started  # the hint is as fresh as the moment it was read (rule 1)
         await self.refresh()
+        if not hinted:
+            await self._check_log_is_whole()
         if self.state.version < 0:
             raise StreamNotFound(f"{self.url}: no stream here (no {log_key(0)})")
         return self.state
 
-    async def _newest_snapshot(self) -> State | None:
+    async def read_snapshot(self, version: int) -> State:
+        """The snapshot at `version`, checked (see the module docstring).
+
+        Raises ObjectNotFound if there is none, CorruptData naming it if it fails a check.
+        """
+        key = snapshot_key(version)
+        data = await self._get(key)
+        self.requests += 1
+        if data is None:
+            raise ObjectNotFound(f"{self.url}: no snapshot {key}")
+        record = await self._get(log_key(version))
+        self.requests += 1
+        try:
+            state = await anyio.to_thread.run_sync(State.from_json, data)
+        except ValueError as e:
+            raise CorruptData(f"{self.url}: snapshot {key} is unusable: {e}") from None
+        if state.version != version:
+            raise CorruptData(f"{self.url}: snapshot {key} holds the state at version {state.version}, not {version}")
+        if record is None:
+            raise CorruptData(f"{self.url}: snapshot {key}: the log version it covers ({log_key(version)}) is missing")
+        why = state.check_last_record(record)
+        if why is not None:
+            raise CorruptData(f"{self.url}: snapshot {key} disagrees with {log_key(version)}: {why}")
+        return state
+
+    def _skip(self, e: CorruptData) -> None:
+        log.warning("%s; falling back to an older snapshot or the log", e)
+        self.problems.append(str(e))
+
+    async def _newest_snapshot(self) -> tuple[State | None, bool]:
+        """The newest usable snapshot, and whether it is the one the hint names."""
         hint = await self._get(HINT_KEY)
         self.requests += 1
+        tried = None
         if hint is not None:
             try:
-                v = int(orjson.loads(hint)["version"])
-                data = await self._get(snapshot_key(v))
-                self.requests += 1
-                if data is not None:
-                    return await anyio.to_thread.run_sync(State.from_json, data)
+                tried = orjson.loads(hint)["version"]
             except (ValueError, KeyError, TypeError):
                 pass
-        return await self._newest_listed_snapshot()
+            if type(tried) is not int or tried < 0:
+                log.warning("%s: ignoring the unreadable snapshot hint %s: %r", self.url, HINT_KEY, hint[:100])
+                tried = None
+        if tried is not None:
+            try:
+                return await self.read_snapshot(tried), True
+            except ObjectNotFound:
+                log.warning("%s: the hint names %s, which does not exist", self.url, snapshot_key(tried))
+            except CorruptData as e:
+                self._skip(e)
+        return await self._newest_listed_snapshot(skip=tried), False
 
-    async def _newest_listed_snapshot(self) -> State | None:
-        keys = await retry(lambda: self.store.list(SNAPSHOT_PREFIX))
+    async def _newest_listed_snapshot(self, skip: int | None = None) -> State | None:
+        keys = await retry(lambda: self.store.list(SNAPSHOT_PREFIX), attempts=self._attempts)
         self.requests += 1
-        for key in sorted((k for k in keys if _version_of(k) is not None), key=_version_of, reverse=True):
-            data = await self._get(key)
-            self.requests += 1
-            if data is not None:
-                try:
-                    return await anyio.to_thread.run_sync(State.from_json, data)
-                except ValueError:
-                    continue
+        versions = sorted((v for k in keys if (v := _version_of(k)) is not None and v != skip), reverse=True)
+        for v in versions:
+            try:
+                return await self.read_snapshot(v)
+            except ObjectNotFound:
+                continue  # deleted since the listing (log clean-up): an older one may still be there
+            except CorruptData as e:
+                self._skip(e)
         return None
+
+    async def _check_log_is_whole(self) -> None:
+        """Raise CorruptData if log versions exist above the one where reading stopped."""
+        keys = await retry(lambda: self.store.list(LOG_PREFIX), attempts=self._attempts)
+        self.requests += 1
+        versions = {v for k in keys if (v := _version_of(k)) is not None}
+        missing = self.state.version + 1
+        above = max(versions, default=-1)
+        if above > missing and missing not in versions:
+            why = f"; skipped: {'; '.join(self.problems)}" if self.problems else ""
+            raise CorruptData(
+                f"{self.url}: the log has a hole: version {missing} ({log_key(missing)}) is missing while "
+                f"versions up to {above} exist, and no usable snapshot covers it{why}"
+            )
 
     async def refresh(self, window: int | None = None) -> int:
         """Apply every version written since the last call; the number applied.
@@ -290,9 +366,9 @@ class Manifest:
                 self.last_put_latency = self.clock() - put_started
             except StoreUnavailable as e:
                 failures += 1
-                if e.retried or failures > self.retries:
+                if self.retries is not None and (e.retried or failures > self.retries):
                     raise
-                await anyio.sleep(min(0.05 * 2**failures, 2.0) * (0.5 + self.rng.random()))
+                await anyio.sleep(min(0.05 * 2 ** min(failures, 16), 2.0) * (0.5 + self.rng.random()))
                 continue
             if not won:
                 self.last_conflicts += 1

@@ -31,6 +31,7 @@ Invariants, kept by `apply` alone:
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -410,8 +411,13 @@ class State:
     # -- snapshots -----------------------------------------------------------------------------
 
     def to_json(self) -> bytes:
-        """The whole state, deterministic bytes (a snapshot)."""
-        return orjson.dumps(self.to_dict())
+        """The whole state as a snapshot: deterministic bytes, sealed with a checksum.
+
+        The bytes are `to_dict()` as compact JSON with sorted keys, plus a last member `sha256`:
+        the hex SHA-256 of those bytes (`from_json` recomputes it over what it parsed).
+        """
+        body = orjson.dumps(self.to_dict(), option=orjson.OPT_SORT_KEYS)
+        return body[:-1] + b',"sha256":"' + hashlib.sha256(body).hexdigest().encode() + b'"}'
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -427,18 +433,206 @@ class State:
 
     @classmethod
     def from_json(cls, data: bytes) -> State:
-        """Raises ValueError if `data` is not a snapshot."""
+        """The state a snapshot holds. Raises ValueError (only) for anything that is not one.
+
+        A snapshot with a `sha256` member must match it: the SHA-256 of the object without that
+        member, as compact JSON with sorted keys. One without it (written before snapshots were
+        sealed) is accepted on its structure alone. Either way every field is checked for type and
+        range, and the invariants `apply` keeps are checked in O(steps): steps contiguous from
+        `first_step`, each naming a known producer with rising sequence numbers and the stream's
+        rank slices, checkpoints on retained steps, nothing newer than `version`.
+        """
         try:
             d = orjson.loads(data)
-            return cls(
-                version=d["version"],
-                config=Config.from_dict(d["config"]) if d["config"] else None,
-                first_step=d["first_step"],
-                steps=[Step.from_list(s) for s in d["steps"]],
-                producers={k: ProducerState(**v) for k, v in d["producers"].items()},
-                checkpoints=[Checkpoint(*c) for c in d["checkpoints"]],
-                rewinds=d["rewinds"],
-                rejected=[(v, w) for v, w in d["rejected"]],
-            )
-        except (ValueError, TypeError, KeyError) as e:
-            raise ValueError(f"not a snapshot: {e}") from e
+        except orjson.JSONDecodeError as e:
+            raise ValueError(f"not a snapshot: not JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ValueError("not a snapshot: not a JSON object")
+        if "sha256" in d:
+            seal = d.pop("sha256")
+            try:
+                body = orjson.dumps(d, option=orjson.OPT_SORT_KEYS)
+            except orjson.JSONEncodeError as e:  # pragma: no cover - what orjson parsed, it writes
+                raise ValueError(f"not a snapshot: {e}") from None
+            if seal != hashlib.sha256(body).hexdigest():
+                raise ValueError("snapshot checksum mismatch: its sha256 does not match its content")
+        return _state_from_dict(d)
+
+    def check_last_record(self, data: bytes) -> str | None:
+        """Why this state cannot be the result of applying `data` (the log record at its version)
+        last, or None if it agrees with it.
+
+        This is how a snapshot is cross-checked against the log (`_log`): O(record) and one GET,
+        not a replay. It checks what the record at `version` did: a commit's TGBs are the last
+        steps (so a snapshot that drops or alters the newest steps is caught whenever its version
+        is a commit, which is where producers snapshot), a register's epoch and token, a
+        checkpoint, a release, a reclaim's first step, a rewind's head; a record this state
+        rejected must be its newest rejection.
+        """
+        v = self.version
+        try:
+            if self.rejected and self.rejected[-1][0] == v:
+                return None  # a no-op at v: nothing more to compare without the state before it
+            r = decode_record(data)
+            kind = r["kind"]
+            if kind == "create":
+                ok = v == 0 and self.config == Config.from_dict(r["config"]) and not self.steps
+            elif kind == "register":
+                p = self.producers.get(r["producer"])
+                ok = p is not None and p.epoch == r["epoch"] and p.token == r["token"] and p.last_ts == _ts(r)
+            elif kind == "commit":
+                p, tgbs = self.producers.get(r["producer"]), r["tgbs"]
+                n = len(tgbs)
+                tail = self.steps[-n:] if 0 < n <= len(self.steps) else []
+                ok = (
+                    p is not None and len(tail) == n and p.seq == r["seq"] + n - 1
+                    and p.cursor == tgbs[-1].get("cursor") and p.lost == r.get("lost", 0)
+                    and (n == len(self.steps) or self.steps[-n - 1].version < v)
+                    and all(
+                        s.version == v and s.producer == r["producer"] and s.epoch == r["epoch"]
+                        and s.seq == r["seq"] + i and s.segment == t["segment"] and s.ts == _ts(r)
+                        and [[x.offset, x.length, x.crc32, x.samples] for x in s.ranks] == t["ranks"]
+                        and s.cursor == t.get("cursor")
+                        for i, (s, t) in enumerate(zip(tail, tgbs, strict=True))
+                    )
+                )  # fmt: skip
+            elif kind == "checkpoint":
+                last = self.checkpoints[-1] if self.checkpoints else None
+                ok = last is not None and (last.id, last.step, last.version) == (r["id"], r["step"], v)
+            elif kind == "release":
+                ok = all(c.id != r["id"] for c in self.checkpoints)
+            elif kind == "reclaim":
+                ok = self.first_step == r["below"]
+            elif kind == "rewind":
+                ok = self.head == r["to_step"] and all(p.token == "" for p in self.producers.values())
+            else:
+                return f"the record at version {v} is a {kind!r:.40} record, which this state did not reject"
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+            return f"the record at version {v} does not fit this state ({type(e).__name__}: {e})"
+        return None if ok else f"the state does not reflect the {kind} record at version {v}"
+
+
+# -- snapshot validation ---------------------------------------------------------------------------
+
+_STATE_KEYS = frozenset({"version", "config", "first_step", "steps", "producers", "checkpoints", "rewinds", "rejected"})
+_PRODUCER_KEYS = frozenset(ProducerState.__dataclass_fields__)
+_CONFIG_KEYS = frozenset(Config.__dataclass_fields__)
+
+
+def _bad(why: str) -> ValueError:
+    return ValueError(f"invalid snapshot: {why}")
+
+
+def _state_from_dict(d: dict[str, Any]) -> State:
+    """A State from a snapshot's parsed JSON, checking every field; raises ValueError.
+
+    O(steps x world size); messages are only formatted for the field that fails.
+    """
+    if d.keys() != _STATE_KEYS:
+        raise _bad(f"members {sorted(d)!r:.200} are not {sorted(_STATE_KEYS)}")
+    version, first, rewinds = d["version"], d["first_step"], d["rewinds"]
+    for name, v in (("version", version), ("first_step", first), ("rewinds", rewinds)):
+        if not _int(v):
+            raise _bad(f"{name} {v!r:.40} is not a non-negative integer")
+    raw = d["config"]
+    if not (isinstance(raw, dict) and raw.keys() <= _CONFIG_KEYS):
+        raise _bad(f"config {raw!r:.200} is not a stream config")
+    try:
+        config = Config.from_dict(raw)
+    except (ValueError, TypeError) as e:
+        raise _bad(f"config: {e}") from None
+
+    producers: dict[str, ProducerState] = {}
+    if not isinstance(d["producers"], dict):
+        raise _bad("producers is not an object")
+    for pid, raw in d["producers"].items():
+        if not _PRODUCER_ID.match(pid):
+            raise _bad(f"bad producer id {pid!r:.140}")
+        if not (isinstance(raw, dict) and raw.keys() <= _PRODUCER_KEYS):
+            raise _bad(f"producer {pid}: {raw!r:.200} is not a producer")
+        p = ProducerState(**raw)
+        if not (
+            _int(p.epoch, 1) and _int(p.seq, -1) and isinstance(p.token, str) and type(p.last_ts) is float
+            and _int(p.commits) and _int(p.tgbs) and _int(p.lost) and p.tgbs == p.seq + 1 and p.commits <= p.tgbs
+        ):  # fmt: skip
+            raise _bad(f"producer {pid}: bad epoch, seq, token, last_ts, commits, tgbs or lost in {raw!r:.300}")
+        producers[pid] = p
+
+    steps: list[Step] = []
+    if not isinstance(d["steps"], list):
+        raise _bad("steps is not a list")
+    last_seq: dict[str, int] = {}
+    last_version, world, batch = 1, config.world_size, config.global_batch
+    for i, raw in enumerate(d["steps"]):
+        n = first + i
+        if not (isinstance(raw, list) and len(raw) == 9):
+            raise _bad(f"step {n}: {raw!r:.200} is not a 9-item list")
+        step, sv, segment, pid, epoch, seq, ranks, cursor, ts = raw
+        if not (type(step) is int and step == n):
+            raise _bad(f"entry {i} is step {step!r:.40}, not {n}: steps are contiguous from first_step {first}")
+        if not (_int(sv) and last_version <= sv <= version):
+            raise _bad(f"step {n}: version {sv!r:.40} is not in {last_version}..{version}")
+        if not (isinstance(segment, str) and segment.startswith("segments/")):
+            raise _bad(f"step {n}: bad segment key {segment!r:.200}")
+        p = producers.get(pid) if isinstance(pid, str) else None
+        if p is None:
+            raise _bad(f"step {n}: producer {pid!r:.140} is not among the producers")
+        if not (_int(epoch, 1) and epoch <= p.epoch):
+            raise _bad(f"step {n}: epoch {epoch!r:.40} is not in 1..{p.epoch}")
+        low = last_seq.get(pid, -1)
+        if not (_int(seq) and low < seq <= p.seq):
+            raise _bad(f"step {n}: seq {seq!r:.40} is not in {low + 1}..{p.seq} of producer {pid}")
+        if type(ts) is not float:
+            raise _bad(f"step {n}: ts {ts!r:.40} is not a number")
+        if not (isinstance(ranks, list) and len(ranks) == world):
+            raise _bad(f"step {n}: not {world} rank slices")
+        end = samples = 0
+        slices = []
+        for rs in ranks:
+            if type(rs) is not list or len(rs) != 4:
+                raise _bad(f"step {n}: bad rank slice {rs!r:.100}")
+            off, length, crc, k = rs
+            if not (
+                type(off) is int and type(length) is int and type(crc) is int and type(k) is int
+                and off == end and length >= 0 and 0 <= crc < 1 << 32 and k >= 0
+            ):  # fmt: skip
+                raise _bad(f"step {n}: bad rank slice {rs!r:.100} (slices tile the segment from offset 0)")
+            end += length
+            samples += k
+            slices.append(RankSlice(off, length, crc, k))
+        if not 0 < samples <= batch:
+            raise _bad(f"step {n}: {samples} samples (global batch {batch})")
+        last_seq[pid], last_version = seq, sv
+        steps.append(Step(n, sv, segment, pid, epoch, seq, tuple(slices), cursor, ts))
+    head = first + len(steps) - 1
+
+    checkpoints: list[Checkpoint] = []
+    if not isinstance(d["checkpoints"], list):
+        raise _bad("checkpoints is not a list")
+    ids: set[str] = set()
+    for raw in d["checkpoints"]:
+        if not (isinstance(raw, list) and len(raw) == 3):
+            raise _bad(f"checkpoint {raw!r:.200} is not [id, step, version]")
+        cid, step, cv = raw
+        prev = checkpoints[-1] if checkpoints else Checkpoint("", first, 0)
+        if not (isinstance(cid, str) and 0 < len(cid) <= 256 and cid not in ids):
+            raise _bad(f"bad or repeated checkpoint id {cid!r:.300}")
+        if not (_int(step) and prev.step <= step <= head and _int(cv) and prev.version < cv <= version):
+            raise _bad(f"checkpoint {cid}: step {step!r:.40} or version {cv!r:.40} out of order or not retained")
+        ids.add(cid)
+        checkpoints.append(Checkpoint(cid, step, cv))
+    if config.keep_checkpoints and len(checkpoints) > config.keep_checkpoints:
+        raise _bad(f"{len(checkpoints)} checkpoints, the stream keeps {config.keep_checkpoints}")
+
+    rejected: list[tuple[int, str]] = []
+    if not isinstance(d["rejected"], list):
+        raise _bad("rejected is not a list")
+    for raw in d["rejected"]:
+        low = rejected[-1][0] + 1 if rejected else 0
+        if not (isinstance(raw, list) and len(raw) == 2 and _int(raw[0]) and low <= raw[0] <= version):
+            raise _bad(f"rejection {raw!r:.200} is not [version, why] in version order")
+        if not isinstance(raw[1], str):
+            raise _bad(f"rejection {raw!r:.200} is not [version, why]")
+        rejected.append((raw[0], raw[1]))
+
+    return State(version, config, first, steps, producers, checkpoints, rewinds, rejected)
