@@ -150,10 +150,14 @@ async def open_reader(target: Target, rank: int | None, world_size: int | None =
 
 
 async def verify(target: Target) -> VerifyReport:
-    """Check every invariant and every checksum of a stream; problems name step, rank and object."""
+    """Check every invariant and every checksum of a stream, and every snapshot against a replay of the
+    retained log; problems name step, rank and object."""
     async with _store_for(target) as store:
-        state = await Manifest(store).load()
-        return await verify_state(store, state)
+        m = Manifest(store)
+        state = await m.load()
+        report = await verify_state(store, state)
+        report.problems[:0] = m.problems + [p for p in await m.audit_snapshots() if p not in m.problems]
+        return report
 
 
 async def checkpoint(target: Target, checkpoint_id: str, step: int) -> bool:

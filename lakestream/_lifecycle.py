@@ -17,9 +17,10 @@ GC, in this order, so that nothing readable is ever deleted:
    `lease` ago (see `_log` for why this cannot resurrect a version), snapshots first, keeping
    version 0 (the create record).
 
-GC acts only on a state it could check: if loading skipped a bad snapshot, or the snapshot that
-log clean-up would keep (or the hint would name) fails its checks, it raises CorruptData naming
-it and deletes nothing based on it.
+GC acts only on a state it could check: if loading skipped a bad snapshot, if a snapshot differs
+from the replay of the retained log (`Manifest.audit_snapshots`), or if the snapshot that log
+clean-up would keep (or the hint would name) fails its checks, it raises CorruptData naming it and
+deletes nothing based on it.
 """
 
 from __future__ import annotations
@@ -249,6 +250,10 @@ async def gc(
             f"{store.url}: gc refuses to run while a snapshot fails its checks ({'; '.join(m.problems)}); "
             "readers use an older snapshot or the log meanwhile; delete the bad snapshot to let gc run again"
         )
+    # Snapshots pass cheap checks on load; what segments may go is decided only on one that the
+    # retained log, replayed, confirms (O(retained log) GETs: log clean-up keeps it short).
+    if audit := await m.audit_snapshots():
+        raise CorruptData(f"{store.url}: gc refuses to run: {'; '.join(audit)}; delete the bad snapshot")
 
     remove_temporaries = getattr(store, "remove_temporaries", None)
     if remove_temporaries is not None and not dry_run:

@@ -39,7 +39,7 @@ version is a commit, as the producers' snapshots are). A snapshot that fails is 
 warning naming it, and the next older one is tried, and finally the log from version 0; what was
 skipped is kept in `Manifest.problems`, and GC refuses to act on such a load. A snapshot forged
 with a recomputed checksum and consistent with its own log record is not caught here, only by a
-replay of the log below it.
+replay of the log below it (`audit_snapshots`, which `verify` and GC run).
 
 Without a usable snapshot the log is read from version 0, and one LIST of the log checks that
 the version where reading stopped is really the tail: if later versions exist (the versions below
@@ -49,6 +49,7 @@ were cleaned up, and the snapshot that covered them is gone or bad), the stream 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import random
@@ -243,6 +244,53 @@ class Manifest:
             except CorruptData as e:
                 self._skip(e)
         return None
+
+    async def audit_snapshots(self) -> list[str]:
+        """Replay the retained log through every stored snapshot and compare; the problems found.
+
+        What `read_snapshot`'s cheap checks cannot see (a snapshot forged with a recomputed checksum
+        yet consistent with its own log record) a replay does. The replay starts at version 0 if
+        the log below the oldest snapshot is whole, else at the oldest snapshot that passes its
+        checks. O(retained log) GETs, like `verify`, which runs it.
+        """
+        listed = await retry(lambda: self.store.list(SNAPSHOT_PREFIX))
+        snaps = sorted(v for k in listed if (v := _version_of(k)) is not None)
+        logs = {v for k in await retry(lambda: self.store.list(LOG_PREFIX)) if (v := _version_of(k)) is not None}
+        problems: list[str] = []
+        replay = Manifest(self.store, lease=math.inf, clock=self.clock)  # never jumps to a snapshot
+        if snaps and not all(v in logs for v in range(snaps[0])):
+            for v in snaps:
+                try:
+                    replay.state = await self.read_snapshot(v)
+                    break
+                except (ObjectNotFound, CorruptData) as e:
+                    problems.append(str(e))
+        seen: dict[int, tuple[bytes, int, int]] = {}  # version: (digest, first step, head) of the replay
+        wanted = set(snaps)
+
+        def look(st: State) -> None:
+            if st.version in wanted:
+                seen[st.version] = (hashlib.sha256(st.to_json()).digest(), st.first_step, st.head)
+
+        replay.on_apply = look
+        await replay.refresh()
+        for v, (digest, first, head) in sorted(seen.items()):
+            key = snapshot_key(v)
+            data = await self._get(key)
+            try:
+                stored = None if data is None else await anyio.to_thread.run_sync(State.from_json, data)
+            except ValueError as e:
+                problems.append(f"{self.url}: snapshot {key} is unusable: {e}")
+                continue
+            if stored is not None and hashlib.sha256(stored.to_json()).digest() != digest:
+                problems.append(
+                    f"{self.url}: snapshot {key} differs from the replay of the log to version {v} (it holds "
+                    f"steps {stored.first_step}..{stored.head}, the log {first}..{head})"
+                )
+        for v in snaps:
+            if v > replay.state.version:
+                problems.append(f"{self.url}: snapshot {snapshot_key(v)} is past the log's tail {replay.state.version}")
+        return problems
 
     async def _check_log_is_whole(self) -> None:
         """Raise CorruptData if log versions exist above the one where reading stopped."""

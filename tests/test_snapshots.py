@@ -168,8 +168,8 @@ async def test_a_snapshot_with_a_bad_first_step(file_url: str, value: Any, resea
     assert (await lakestream.load_state(file_url)).to_json() == before.to_json()
     assert warned_about(caplog, snapshot_key(v))
     assert await read_keys(file_url) == keys
-    report = await lakestream.verify(file_url)
-    assert report.steps == 6
+    report = await lakestream.verify(file_url)  # it reads the stream, and says the snapshot is bad
+    assert report.steps == 6 and not report.ok and snapshot_key(v) in report.problems[0]
 
 
 async def test_a_bad_newest_snapshot_falls_back_to_the_older_one(file_url: str, caplog) -> None:
@@ -282,6 +282,33 @@ async def test_gc_never_cleans_the_log_below_a_bad_snapshot(file_url: str) -> No
         await lakestream.gc(file_url, lease=0.0)
     assert await listing(file_url, LOG_PREFIX) == logs
     assert (await lakestream.load_state(file_url)).head == 5
+
+
+@pytest.mark.parametrize("log", ["whole", "cleaned"])
+async def test_a_forged_snapshot_consistent_with_its_record_is_caught_by_a_replay(file_url: str, log: str) -> None:
+    """Steps 0..2 dropped and first_step moved past them, checksum recomputed: the cheap checks on
+    load pass (a reclaim looks like this), but `verify` and `gc` replay the retained log."""
+    await new_stream(file_url, 4)
+    older = await write_snapshot(file_url)
+    await produce(file_url, 10 * B)
+    v = await write_snapshot(file_url)
+    if log == "cleaned":
+        await clean_log(file_url, older)  # the replay starts at the older snapshot
+
+    def forge(d: dict[str, Any]) -> None:
+        del d["steps"][:3]
+        d["first_step"] = 3
+
+    await edit_snapshot(file_url, v, forge, reseal=True)
+    assert (await lakestream.load_state(file_url)).first_step == 3  # the documented limit of load
+    report = await lakestream.verify(file_url)
+    differs = f"snapshot {snapshot_key(v)} differs from the replay of the log to version {v}"
+    assert not report.ok and any(differs in p and "steps 3..9, the log 0..9" in p for p in report.problems)
+    segments, logs = await listing(file_url, "segments/"), await listing(file_url, LOG_PREFIX)
+    for dry_run in (True, False):
+        with pytest.raises(CorruptData, match=differs):
+            await lakestream.gc(file_url, dry_run=dry_run, lease=0.0)
+    assert await listing(file_url, "segments/") == segments and await listing(file_url, LOG_PREFIX) == logs
 
 
 # -- the format, property-tested ---------------------------------------------------------------
