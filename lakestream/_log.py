@@ -144,6 +144,7 @@ class Manifest:
         self.last_probe_latency = 0.0  # the read round that found the tail, last time
         self.last_put_latency = 0.0  # the last conditional put
         self.problems: list[str] = []  # snapshots the last load skipped as bad (see `read_snapshot`)
+        self._missing = ""  # the snapshot the hint named, if the last load did not find it
         self._refreshing = anyio.Lock()
         # Called with the state after each version it applies (tools that must see every step,
         # even one that a rewind discards within the same refresh).
@@ -171,6 +172,7 @@ class Manifest:
         """
         started = self.clock()
         self.problems = []
+        self._missing = ""
         state, hinted = await self._newest_snapshot()
         self.state = state or State()
         self.confirmed_at = started  # the hint is as fresh as the moment it was read (rule 1)
@@ -227,7 +229,8 @@ class Manifest:
             try:
                 return await self.read_snapshot(tried), True
             except ObjectNotFound:
-                log.warning("%s: the hint names %s, which does not exist", self.url, snapshot_key(tried))
+                self._missing = f"the hint names {snapshot_key(tried)}, which does not exist"
+                log.info("%s: %s", self.url, self._missing)
             except CorruptData as e:
                 self._skip(e)
         return await self._newest_listed_snapshot(skip=tried), False
@@ -300,7 +303,7 @@ class Manifest:
         missing = self.state.version + 1
         above = max(versions, default=-1)
         if above > missing and missing not in versions:
-            why = f"; skipped: {'; '.join(self.problems)}" if self.problems else ""
+            why = "".join(f"; {x}" for x in (self._missing, *self.problems) if x)
             raise CorruptData(
                 f"{self.url}: the log has a hole: version {missing} ({log_key(missing)}) is missing while "
                 f"versions up to {above} exist, and no usable snapshot covers it{why}"
