@@ -257,7 +257,7 @@ async def test_a_lost_snapshot_after_log_clean_up_is_a_hole(url: str, how: str) 
     assert await listing(url, LOG_PREFIX) == logs and await listing(url, "segments/") == segments
 
 
-async def test_a_young_stream_without_snapshots_loads_from_version_0(file_url: str) -> None:
+async def test_a_hole_in_a_stream_without_snapshots_is_reported(file_url: str) -> None:
     await new_stream(file_url, 3)
     assert (await lakestream.load_state(file_url)).head == 2
     async with lakestream.open_store(file_url) as store:
