@@ -100,7 +100,8 @@ class Producer:
     ) -> None:
         self.store = store
         self.id = producer_id
-        self.manifest = manifest or Manifest(store, clock=clock)
+        # A store outage never stops a producer: every store call retries for as long as it takes.
+        self.manifest = manifest or Manifest(store, clock=clock, retries=None)
         self._cost = cost
         self._max_inflight = max_inflight_bytes
         self._policy = make_policy(policy)
@@ -276,7 +277,7 @@ class Producer:
             ranks = assign_ranks(tgb.costs, len(tgb.samples), w)
             data, slices = await anyio.to_thread.run_sync(encode_segment, [[tgb.samples[i] for i in r] for r in ranks])
             key = segment_key(self.id, self.epoch, tgb.seq, time.time())
-            await retry(lambda: self.store.put(key, data))
+            await retry(lambda: self.store.put(key, data), attempts=None)
             tgb.segment, tgb.ranks, tgb.samples = key, slices, []
             tgb.uploaded = True
             self.stats.bytes_uploaded += len(data)
@@ -358,7 +359,7 @@ class Producer:
         for t in ready:
             if now - max(t.sealed_at, t.checked_at) > RECHECK_AFTER:
                 try:
-                    await retry(lambda: self.store.get_range(t.segment, 0, 1))
+                    await retry(lambda: self.store.get_range(t.segment, 0, 1), attempts=None)
                 except ObjectNotFound:
                     raise SegmentLost(
                         f"{self.manifest.url}: producer {self.id!r}: segment {t.segment} of TGB {t.seq} was deleted "

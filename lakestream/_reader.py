@@ -86,7 +86,7 @@ class Reader:
         self.store = store
         self.rank = rank
         self.world_size = world_size
-        self.manifest = Manifest(store, clock=clock)
+        self.manifest = Manifest(store, clock=clock, retries=None)  # an outage never stops a reader
         self.prefetch = max(0, prefetch)
         self.max_prefetch_bytes = max_prefetch_bytes
         self.poll_min, self.poll_max = poll_interval
@@ -271,7 +271,7 @@ class Reader:
     async def _get_slice(self, entry: Step, rank: int) -> bytes:
         r = entry.ranks[rank]
         try:
-            data = await retry(lambda: self.store.get_range(entry.segment, r.offset, r.length))
+            data = await retry(lambda: self.store.get_range(entry.segment, r.offset, r.length), attempts=None)
         except ObjectNotFound:
             await self.manifest.refresh()  # reclaimed or discarded since we looked?
             if self.state.first_step > entry.step or entry.step < self.state.watermark:  # GC on a full store

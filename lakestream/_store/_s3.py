@@ -92,7 +92,8 @@ class S3Store:
     Keyword options: `endpoint_url`, `aws_access_key_id`, `aws_secret_access_key`,
     `aws_session_token`, `region_name` (default from the environment, else 'us-east-1'),
     `max_pool_connections` (64), `connect_timeout` (5 s), `read_timeout` (60 s),
-    `max_attempts` (6) and `retry_timeout` (10 s) for our retries.
+    `max_attempts` (50) and `retry_timeout` (10 s) for our retries: a call gives up when either
+    runs out, so with the defaults it is the time (a throttled store is retried for the full 10 s).
     The client is created on first use; `aclose()` releases it (a later call opens a new one).
     """
 
@@ -109,7 +110,7 @@ class S3Store:
         max_pool_connections: int = 64,
         connect_timeout: float = 5.0,
         read_timeout: float = 60.0,
-        max_attempts: int = 6,
+        max_attempts: int = 50,
         retry_timeout: float = 10.0,
     ) -> None:
         if not bucket or "/" in bucket:
