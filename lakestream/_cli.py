@@ -100,6 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prefetch", type=int, default=2, help="committed steps to fetch ahead per rank")
     p.add_argument("--cache-size", type=int, default=1 << 30, help="slice cache bytes")
     p.add_argument("--wait", type=float, default=60.0, help="seconds a lookup waits for a step to commit")
+    p.add_argument("--nonempty", action="store_true", help="mount over a directory that is not empty (hiding its files)")
 
     p = sub.add_parser("umount", help="unmount a lakestream mount")
     p.add_argument("mountpoint")
@@ -297,7 +298,7 @@ def _mount_module():  # type: ignore[no-untyped-def]
 def _mount(a: argparse.Namespace) -> int:
     _mount_module().run_mount(
         a.url, a.mountpoint, ranks=a.ranks, world_size=a.world_size, prefetch=a.prefetch,
-        cache_size=a.cache_size, wait=a.wait,
+        cache_size=a.cache_size, wait=a.wait, nonempty=a.nonempty,
     )  # fmt: skip
     return 0
 

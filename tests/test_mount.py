@@ -32,6 +32,7 @@ import pytest
 from cliutil import make_source_dir, run_cli, spawn_cli, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from lakestream_mount._mounts import mounts_at
 from mountutil import MountProc, PathDataset, is_mounted, read_tree, step_name
 
 import lakestream
@@ -753,6 +754,8 @@ def test_ranks_spec_selects_exactly_those_rank_directories(tmp_path: Path, mount
         (["--ranks=-1"], "--ranks '-1'"),
         (["--ranks", "0-"], "--ranks '0-'"),
         (["--world-size", "3"], "world size"),
+        (["--ranks", "0-10000000000"], "rank 10000000000 is out of range for world size 4"),  # not expanded first
+        (["--ranks", "1,3-99999999999999"], "rank 99999999999999 is out of range"),
     ],
 )
 def test_a_bad_ranks_spec_fails_clearly_and_leaves_no_mount(tmp_path: Path, args: list[str], message: str) -> None:
@@ -1073,3 +1076,105 @@ def test_names_from_a_slice_are_checked_before_they_become_file_names(key: Any, 
         check_names(files, "s3://b/stream step 3 rank 1 object segments/p/x.tgb")
     assert "step 3 rank 1 object segments/p/x.tgb" in str(exc.value)
     assert check_names(files[:1], "") == {b"dup.bin": 0}
+
+
+# -- 13. mounting and unmounting, said plainly ---------------------------------------------------------------
+
+
+def test_umount_of_a_path_that_is_not_mounted_says_so_in_one_line(tmp_path: Path) -> None:
+    for path in (tmp_path, tmp_path / "missing"):
+        r = run_cli("umount", path, check=False, timeout=30)
+        assert r.stderr == f"lakestream umount: error: {path} is not mounted\n", r.stderr
+        assert not r.stdout
+
+
+def test_mount_refuses_a_mounted_or_non_empty_mount_point(tmp_path: Path, mounts) -> None:
+    url = file_url(tmp_path / "stream")
+    create(url, 1, 1)
+    produce(url, "p", tgb("a", 1))
+    m = mounts(url)
+    r = run_cli("mount", url, m.mountpoint, check=False, timeout=30)
+    assert r.stderr == f"lakestream mount: error: {m.mountpoint} is already a mount point (fuse.lakestream); unmount it first\n"
+    assert len(mounts_at(str(m.mountpoint))) == 1 and m.status()["head_step"] == 0  # the first mount serves on
+
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    r = run_cli("mount", url, full, check=False, timeout=30)
+    assert "lakestream mount: error:" in r.stderr and "not empty" in r.stderr and "--nonempty" in r.stderr
+    assert len(r.stderr.splitlines()) == 1 and not is_mounted(full)
+    over = mounts(url, "--nonempty", name="full")
+    assert sorted(os.listdir(over.mountpoint)) == ["_status.json", "rank-0"]
+    over.stop()
+    assert (full / "keep.txt").read_text() == "mine"
+
+    assert not re.search(r"WARNING.*\\bmounted\\b", m.log()), m.log()  # "mounted ..." is INFO: quiet by default
+    r = run_cli("umount", m.mountpoint, check=True, timeout=30)
+    assert not r.stderr and not is_mounted(m.mountpoint)
+
+
+# -- 14. the store goes away and comes back ------------------------------------------------------------------
+
+
+def test_a_directory_at_the_next_log_version_does_not_end_the_mount(tmp_path: Path, mounts) -> None:
+    url = file_url(tmp_path / "stream")
+    create(url, 1, 1)
+    produce(url, "p", tgb("a", 2))  # steps 0, 1
+    truth = committed(url)
+    m = mounts(url, "--prefetch", 0)
+    r0 = m.mountpoint / "rank-0"
+    blocker = tmp_path / "stream" / "_lakestream" / "log" / f"{anyio.run(lakestream.load_state, url).version + 1:020d}.json"
+    blocker.mkdir()
+    time.sleep(3)
+    assert m.proc is not None and m.proc.poll() is None, m.log()
+    assert m.status()["follow_error"]
+    assert read_step_dir(r0 / step_name(1))[1] == truth[0, 1]  # still serving what it has
+    blocker.rmdir()
+    produce(url, "p", tgb("b", 1))  # step 2
+    wait_until(lambda: m.status()["head_step"] == 2, 30.0, "the mount follows the stream again")
+    assert read_step_dir(r0 / step_name(2))[1] == committed(url)[0, 2]
+    assert m.status()["follow_error"] is None
+    assert "Traceback" not in m.log()
+
+
+@pytest.mark.s3
+def test_the_mount_outlives_an_s3_outage_and_follows_the_stream_again(
+    tmp_path: Path, mounts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A private SeaweedFS, killed (SIGKILL) under the mount and started again on the same ports
+    and data: the mount keeps serving what it has, and follows new commits once the store is back."""
+    from s3server import S3Server
+
+    server = S3Server().start()
+    try:
+        for name, value in server.env().items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("AWS_PROFILE", raising=False)
+        url = server.new_stream()
+        create(url, 2, 2)
+        produce(url, "p", tgb("a", 4))  # steps 0, 1
+        truth = committed(url)
+        m = mounts(url, "--prefetch", 0, "--wait", 2)
+        r0 = m.mountpoint / "rank-0"
+        assert read_step_dir(r0 / step_name(1))[1] == truth[0, 1]
+
+        assert server.proc is not None
+        argv = server.proc.args
+        server.proc.kill()
+        server.proc.wait()
+        time.sleep(8)  # the mount exited 2.3 s after the store went away
+        assert m.proc is not None and m.proc.poll() is None, f"the mount exited during the outage:\n{m.log()}"
+        assert read_step_dir(r0 / step_name(1))[1] == truth[0, 1]  # what it has, it serves
+
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        env["WEED_MASTER_VOLUME_GROWTH_COPY_1"] = "1"
+        with open(server.dir / "weed-restarted.log", "wb") as log:
+            server.proc = subprocess.Popen(argv, cwd=server.dir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL)  # fmt: skip
+        server._wait_ready(60)
+        produce(url, "p", tgb("b", 2))  # step 2
+        wait_until(lambda: m.status()["head_step"] == 2, 30.0, "the mount follows new commits")
+        assert read_step_dir(r0 / step_name(2))[1] == committed(url, [0])[0, 2]
+        assert m.proc.poll() is None and "Traceback" not in m.log()
+    finally:
+        server.stop()
