@@ -382,7 +382,7 @@ class LakeFS(pyfuse3.Operations):
             while not self.closing.is_set():
                 try:
                     changed = await self.reader.manifest.refresh()  # versions applied
-                except Exception as group:  # StoreError, OSError, or a task group of them
+                except Exception as group:  # noqa: BLE001 - StoreError, OSError, a task group of them: retried
                     failures += 1
                     e = _leaf(group)
                     delay = min(self.retry_max, self.retry_min * 2 ** (failures - 1)) * random.uniform(0.5, 1.0)
@@ -591,7 +591,7 @@ class LakeFS(pyfuse3.Operations):
     async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
         if inode in self.inodes.nodes:
             return self._node_attr(await self._node(inode))
-        kind, r = self._fixed(inode)
+        kind, _ = self._fixed(inode)
         if kind == "root":
             return self._attr(ROOT, stat.S_IFDIR | 0o555)
         if kind == "status":
@@ -617,9 +617,9 @@ class LakeFS(pyfuse3.Operations):
         if kind == "root":
             if name == STATUS_NAME:
                 return await self.getattr(STATUS)
-            if name.startswith(b"rank-") and name[5:].isdigit() and name == b"rank-%d" % int(name[5:]):
-                if int(name[5:]) in self._cursor:
-                    return await self.getattr(RANK_BASE + 2 * int(name[5:]))
+            rank = int(name[5:]) if name.startswith(b"rank-") and name[5:].isdigit() else -1
+            if rank in self._cursor and name == b"rank-%d" % rank:
+                return await self.getattr(RANK_BASE + 2 * rank)
             raise pyfuse3.FUSEError(errno.ENOENT)
         if kind != "rank":
             raise pyfuse3.FUSEError(errno.ENOTDIR)
@@ -703,9 +703,9 @@ class LakeFS(pyfuse3.Operations):
             return
         s = self.state
         # ids: 0 = start, 1 = after `latest`, step + 2 = after that step
-        if start_id == 0 and s.head >= s.first_step:
-            if not pyfuse3.readdir_reply(token, LATEST_NAME, await self.getattr(RANK_BASE + 2 * r + 1), 1):
-                return
+        latest = await self.getattr(RANK_BASE + 2 * r + 1)
+        if start_id == 0 and s.head >= s.first_step and not pyfuse3.readdir_reply(token, LATEST_NAME, latest, 1):
+            return
         for n in range(max(s.first_step, start_id - 1 if start_id > 1 else 0), s.head + 1):
             entry = s.step(n)
             if entry is not None and not self._reply(token, b"%012d" % n, self.inodes.get("step", r, n, entry), n + 2):
