@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import importlib.metadata
 import logging
 import os
+import signal
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,79 +27,197 @@ import lakestream
 
 from ._dac import DacPolicy
 from ._errors import LakestreamError
-from ._sources import dir_source, synthetic_source
+from ._sources import describe_cursor, dir_source, synthetic_source
 
 __all__ = ["main"]
 
 
+URLS = """\
+stream URLs:
+  file://PATH or PATH     a directory on a local or shared filesystem
+  s3://BUCKET/PREFIX      S3 or an S3-compatible store; endpoint and credentials from the standard
+                          AWS environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+                          AWS_REGION)
+  memory://               in this process only (for tests of the API; gone when the command ends)
+"""
+
+EXAMPLES = """\
+examples:
+  lakestream init file:///data/run1 --world-size 8 --global-batch 1024
+  lakestream produce file:///data/run1 --producer-id shard-0 --from-dir /data/shard-0   # resumable
+  lakestream read file:///data/run1 --rank 3 --out /tmp/rank3 --from-step 0 --to-step 99
+  lakestream status file:///data/run1
+  lakestream verify s3://bucket/run1 --json
+  lakestream demo                        # producers and readers on a temporary local stream
+"""
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Paragraphs of descriptions and epilogs wrapped, and kept as written where they have lines of their own
+    (tables, examples); each option's help says its default (or that it is required)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        paragraphs = text.split("\n\n")
+        fill = super()._fill_text
+        return "\n\n".join(p if "\n" in p else fill(p, width, indent) for p in paragraphs)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.required and action.option_strings:
+            return text + " (required)"
+        if "default" in text or action.default in (None, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        if action.default is False:
+            return text + " (default: off)"
+        return text + " (default: %(default)s)"
+
+
+def _nonneg(text: str) -> int:
+    """An argparse type: an integer >= 0 (steps and ranks)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative (steps and ranks count from 0)")
+    return value
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("lakestream")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return lakestream.__version__
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="lakestream", description="Transactional global batches on object storage.")
-    ap.add_argument("-v", "--verbose", action="count", default=0)
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = argparse.ArgumentParser(
+        prog="lakestream",
+        description="Transactional global batches on object storage: every rank reads its slice of the same "
+        "global batch at the same step, exactly once.\n\n" + URLS,
+        epilog=EXAMPLES + "\n'lakestream COMMAND --help' describes each command.",
+        formatter_class=_Formatter,
+    )
+    ap.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug and tracebacks)")
+    ap.add_argument("--version", action="version", version=f"lakestream {_version()}")
+    sub = ap.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=functools.partial(argparse.ArgumentParser, formatter_class=_Formatter)
+    )
+    url_help = "stream URL: file://PATH or PATH, s3://BUCKET/PREFIX, memory://"
 
-    p = sub.add_parser("init", help="create a stream (same config again: no-op)")
-    p.add_argument("url")
-    p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--global-batch", type=int, required=True)
-    p.add_argument("--snapshot-every", type=int, default=1000)
-    p.add_argument("--keep-checkpoints", type=int, default=3)
-    p.add_argument("--max-steps-ahead", type=int, default=0)
-    p.add_argument("--max-sample-bytes", type=int, default=1 << 30)
+    p = sub.add_parser("init", help="create a stream (same config again: no-op)", description=(
+        "Create a stream with its shape. Running it again with the same config does nothing; another config "
+        "is refused naming what differs (ConfigMismatch)."
+    ))  # fmt: skip
+    p.add_argument("url", help=url_help)
+    p.add_argument("--world-size", type=int, required=True, help="number of ranks that read the stream")
+    p.add_argument("--global-batch", type=int, required=True, help="samples in one step, over all ranks")
+    p.add_argument("--snapshot-every", type=int, default=1000, help="write a manifest snapshot every N log versions")
+    p.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints retained; GC keeps their steps")
+    p.add_argument("--max-steps-ahead", type=int, default=0,
+                   help="back-pressure: producers wait while this many steps are beyond the watermark (0: never)")  # fmt: skip
+    p.add_argument("--max-sample-bytes", type=int, default=1 << 30, help="largest sample accepted, in bytes")
 
-    p = sub.add_parser("produce", help="produce samples from a directory or a synthetic source")
-    p.add_argument("url")
-    p.add_argument("--producer-id", required=True)
+    p = sub.add_parser("produce", help="produce samples from a directory or a synthetic source", description=(
+        "Put samples into the stream as one producer, committing transactional global batches. It resumes "
+        "after the last sample that producer id committed, so after a crash or Ctrl-C run the same command "
+        "again.\n\n"
+        "--from-dir DIR reads the files directly in DIR (WebDataset-style: '00017.jpg' and '00017.json' make "
+        "sample '00017' with fields 'jpg' and 'json'), sorted by name, as bytes exactly as stored unless "
+        "--decode. Hidden files and subdirectories are skipped; a symbolic link is read only if it points inside "
+        "DIR (see --follow-symlinks). The cursor names the last file consumed: if files were added or removed at "
+        "or before it, the run refuses (ConfigMismatch) instead of duplicating or losing samples; files added "
+        "after it are produced.\n\n"
+        "The last global batch: when the source ends, its remaining samples are committed as a short last step "
+        "(fewer than the global batch; some ranks may get fewer samples, or none, at that step). --drop-last holds "
+        "them back instead: they stay uncommitted, and the next run of the same producer id starts with them."
+    ))  # fmt: skip
+    p.add_argument("url", help=url_help)
+    p.add_argument("--producer-id", required=True, help="this producer's name: a rerun with it resumes (and fences the older run)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--from-dir", metavar="DIR")
+    src.add_argument("--from-dir", metavar="DIR", help="a directory of <key>.<field> files")
     src.add_argument("--synthetic", type=int, metavar="N", help="N synthetic samples")
+    p.add_argument("--decode", action="store_true",
+                   help="--from-dir: store .json as JSON values, .txt as text, .npy as arrays, .cls as integers "
+                        "(WebDataset-style) instead of the files' bytes")  # fmt: skip
+    p.add_argument("--follow-symlinks", action="store_true",
+                   help="--from-dir: also read symbolic links that point outside DIR")
+    p.add_argument("--drop-last", action="store_true",
+                   help="hold back a final partial global batch instead of committing a short last step")
     p.add_argument("--sample-size", type=int, default=64 << 10, help="synthetic sample bytes")
-    p.add_argument("--work-ms", type=float, default=0.0, help="synthetic CPU work per sample")
-    p.add_argument("--max-inflight-bytes", type=int, default=256 << 20)
-    p.add_argument("--commit-policy", choices=["dac", "eager", "backoff", "interval"], default="dac")
-    p.add_argument("--max-commit-delay", type=float, default=None, help="DAC latency ceiling, seconds")
-    p.add_argument("--rate", type=float, default=0.0, help="synthetic samples per second (0: as fast as possible)")
-    p.add_argument("--stats-json", action="store_true", help="print the producer's figures as one JSON line")
+    p.add_argument("--work-ms", type=float, default=0.0, help="synthetic CPU work per sample, milliseconds")
+    p.add_argument("--max-inflight-bytes", type=int, default=256 << 20, help="bytes sealed but not yet committed before put waits")
+    p.add_argument("--commit-policy", choices=["dac", "eager", "backoff", "interval"], default="dac",
+                   help="when to commit (see docs/dac.md)")  # fmt: skip
+    p.add_argument("--max-commit-delay", type=float, default=None,
+                   help="DAC latency ceiling, seconds (default: the policy's own)")  # fmt: skip
+    p.add_argument("--rate", type=float, default=0.0, help="samples per second (0: as fast as possible)")
+    p.add_argument("--stats-json", action="store_true", help="also print the producer's figures as one JSON line")
 
-    p = sub.add_parser("read", help="write a rank's samples of committed steps to files")
-    p.add_argument("url")
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--out", metavar="DIR")
-    p.add_argument("--from-step", type=int, default=None)
-    p.add_argument("--to-step", type=int, default=None, help="last step, inclusive (waits for it)")
+    p = sub.add_parser("read", help="write a rank's samples of committed steps to files", description=(
+        "Read one rank's slices of committed steps. With --out, step S goes to DIR/<S:012d>/<key>.<field> "
+        "(fields as stored bytes); without it, one line per step with its sample keys (non-printable "
+        "characters, backslashes and commas escaped). A summary goes to stderr (with --json: a last JSON line)."
+    ))  # fmt: skip
+    p.add_argument("url", help=url_help)
+    p.add_argument("--rank", type=_nonneg, required=True, help="the rank whose slices to read")
+    p.add_argument("--out", metavar="DIR", help="write the samples as files under DIR (default: list the keys)")
+    p.add_argument("--from-step", type=_nonneg, default=None, help="first step (default: the first readable step)")
+    p.add_argument("--to-step", type=_nonneg, default=None,
+                   help="last step, inclusive; waits for it to commit (default: the head when the read starts)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="one JSON object per step, and a summary, one per line")
 
-    p = sub.add_parser("status", help="show the manifest state")
-    p.add_argument("url")
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("status", help="show the manifest state", description=(
+        "Show the stream's config, readable steps, producers with their cursors, checkpoints and malformed "
+        "log records."
+    ))  # fmt: skip
+    p.add_argument("url", help=url_help)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
-    p = sub.add_parser("checkpoint", help="record that the trainer's checkpoint at a step is durable")
-    p.add_argument("url")
-    p.add_argument("--id", required=True)
-    p.add_argument("--step", type=int, required=True)
+    p = sub.add_parser("checkpoint", help="record that the trainer's checkpoint at a step is durable", description=(
+        "Record checkpoint ID at STEP (rank 0, after the trainer's own checkpoint is durable). The newest "
+        "--keep-checkpoints are retained; GC keeps every step from the oldest retained one on."
+    ))  # fmt: skip
+    p.add_argument("url", help=url_help)
+    p.add_argument("--id", required=True, help="checkpoint name")
+    p.add_argument("--step", type=_nonneg, required=True, help="the step the checkpoint was taken after")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
-    p = sub.add_parser("release", help="drop a retained checkpoint")
-    p.add_argument("url")
-    p.add_argument("--id", required=True)
+    p = sub.add_parser("release", help="drop a retained checkpoint", description="Drop a retained checkpoint.")
+    p.add_argument("url", help=url_help)
+    p.add_argument("--id", required=True, help="checkpoint name")
 
-    p = sub.add_parser("rewind", help="discard the steps after a checkpoint and fence every producer")
-    p.add_argument("url")
+    p = sub.add_parser("rewind", help="discard the steps after a checkpoint and fence every producer", description=(
+        "Discard every step after a retained checkpoint (or a step) and fence every producer; each producer "
+        "resumes from its cursor as of that step."
+    ))  # fmt: skip
+    p.add_argument("url", help=url_help)
     to = p.add_mutually_exclusive_group(required=True)
-    to.add_argument("--to-checkpoint", metavar="ID")
-    to.add_argument("--to-step", type=int, metavar="S")
+    to.add_argument("--to-checkpoint", metavar="ID", help="a retained checkpoint")
+    to.add_argument("--to-step", type=_nonneg, metavar="S", help="the last step to keep")
 
-    p = sub.add_parser("gc", help="reclaim steps below the watermark, delete what nothing needs")
-    p.add_argument("url")
-    p.add_argument("--dry-run", action="store_true")
+    p = sub.add_parser("gc", help="reclaim steps below the watermark, delete what nothing needs", description=(
+        "Reclaim steps below the oldest retained checkpoint, then delete unreferenced segments, old log "
+        "versions and snapshots. --dry-run reports what it would do."
+    ))  # fmt: skip
+    p.add_argument("url", help=url_help)
+    p.add_argument("--dry-run", action="store_true", help="report what would be deleted; delete nothing")
     p.add_argument("--orphan-grace", type=float, default=3600.0, metavar="SECONDS",
                    help="age at which an uncommitted upload of a live producer is deleted (at least 300)")  # fmt: skip
     p.add_argument("--force-grace", action="store_true",
                    help="allow an --orphan-grace below 300 s: only when no producer of the stream is running")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
-    p = sub.add_parser("verify", help="check every invariant and checksum")
-    p.add_argument("url")
+    p = sub.add_parser("verify", help="check every invariant and checksum", description=(
+        "Check every invariant of the stream and the checksum of every committed slice; each problem names "
+        "step, rank and object. Exit status 1 if there is any."
+    ))  # fmt: skip
+    p.add_argument("url", help=url_help)
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
     p = sub.add_parser("mount", help="show committed batches as read-only files (FUSE)")
-    p.add_argument("url")
-    p.add_argument("mountpoint")
+    p.add_argument("url", help=url_help)
+    p.add_argument("mountpoint", help="an empty directory")
     p.add_argument("--ranks", default="all", help="all, R, A-B or R,R,... (default all)")
     p.add_argument("--world-size", type=int, default=None, help="fail unless the stream has this world size")
     p.add_argument("--prefetch", type=int, default=2, help="committed steps to fetch ahead per rank")
@@ -103,17 +226,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nonempty", action="store_true", help="mount over a directory that is not empty (hiding its files)")
 
     p = sub.add_parser("umount", help="unmount a lakestream mount")
-    p.add_argument("mountpoint")
+    p.add_argument("mountpoint", help="where the stream is mounted")
     p.add_argument("--force", action="store_true",
                    help="abort the FUSE connection first (a mount whose daemon was killed and hangs its readers)")  # fmt: skip
 
-    p = sub.add_parser("demo", help="run producers and rank readers on a local stream")
+    p = sub.add_parser("demo", help="run producers and rank readers on a local stream", description=(
+        "Run producer coroutines and one reader per rank on a local stream, then verify that every sample "
+        "was read exactly once."
+    ))  # fmt: skip
     p.add_argument("--dir", help="stream directory (default: a temporary one, removed afterwards)")
-    p.add_argument("--producers", type=int, default=4)
-    p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--global-batch", type=int, default=64)
+    p.add_argument("--producers", type=int, default=4, help="producer coroutines")
+    p.add_argument("--world-size", type=int, default=4, help="ranks")
+    p.add_argument("--global-batch", type=int, default=64, help="samples per step")
     p.add_argument("--samples", type=int, default=4000, help="samples per producer")
-    p.add_argument("--sample-size", type=int, default=32 << 10)
+    p.add_argument("--sample-size", type=int, default=32 << 10, help="bytes per sample")
+    for choice in sub._choices_actions:  # every command's --help starts with what it does
+        command = sub.choices[choice.dest]
+        if command.description is None and choice.help:
+            command.description = choice.help[0].upper() + choice.help[1:] + "."
     return ap
 
 
@@ -135,28 +265,56 @@ async def _iterate(it: Iterator[Any]) -> Any:
 
 
 async def _produce(a: argparse.Namespace) -> int:
+    """Produce until the source ends, or until SIGINT: then stop at once, abandon what is not committed, and
+    say where the producer stands (a rerun resumes there)."""
+    interrupted: list[int] = []
+    producers: list[lakestream.Producer] = []
+
+    async def on_sigint(scope: anyio.CancelScope) -> None:
+        with anyio.open_signal_receiver(signal.SIGINT) as signals:
+            async for signum in signals:
+                interrupted.append(signum)
+                scope.cancel()
+                return
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(on_sigint, tg.cancel_scope)
+        await _run_producer(a, producers)
+        tg.cancel_scope.cancel()
+    if interrupted:
+        cursor = describe_cursor(producers[0].cursor) if producers else "0"
+        print(f"lakestream produce: interrupted; committed through cursor {cursor}; run the same command to resume",
+              file=sys.stderr)  # fmt: skip
+        return 130
+    return 0
+
+
+async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Producer]) -> None:
     t0 = time.perf_counter()
     policy: Any = a.commit_policy
     if a.max_commit_delay is not None:
         if policy != "dac":
             raise ValueError("--max-commit-delay applies to --commit-policy dac")
         policy = DacPolicy(max_commit_delay=a.max_commit_delay)
-    async with (
-        lakestream.open_store(a.url) as store,
-        lakestream.open_producer(store, a.producer_id, max_inflight_bytes=a.max_inflight_bytes, policy=policy) as p,
-    ):
-        start = p.cursor or 0
-        if a.from_dir is not None:
-            it = dir_source(a.from_dir, start)
-        else:
-            it = synthetic_source(a.synthetic, a.sample_size, start=start, prefix=f"{a.producer_id}-", work_ms=a.work_ms)
-        n = 0
-        while (item := await _iterate(it)) is not None:
-            sample, cursor = item
-            await p.put(sample, cursor=cursor)
-            n += 1
-            if a.rate > 0 and (ahead := t0 + n / a.rate - time.perf_counter()) > 0:
-                await anyio.sleep(ahead)
+    if a.from_dir is None and (a.decode or a.follow_symlinks):
+        raise ValueError("--decode and --follow-symlinks apply to --from-dir")
+    store = lakestream.open_store(a.url)
+    try:
+        async with lakestream.open_producer(
+            store, a.producer_id, max_inflight_bytes=a.max_inflight_bytes, policy=policy
+        ) as p:
+            producers.append(p)
+            start = p.cursor
+            if a.from_dir is not None:
+                it: Iterator[Any] = dir_source(a.from_dir, start, decode=a.decode, follow_symlinks=a.follow_symlinks)
+            else:
+                it = synthetic_source(
+                    a.synthetic, a.sample_size, start=start or 0, prefix=f"{a.producer_id}-", work_ms=a.work_ms
+                )
+            held = await _feed(a, p, it, t0)
+    finally:
+        with anyio.CancelScope(shield=True):  # closed whole even when interrupted: no half-closed client
+            await store.aclose()
     dt = time.perf_counter() - t0
     s = p.stats
     if a.stats_json:
@@ -165,27 +323,82 @@ async def _produce(a: argparse.Namespace) -> int:
             "producer": a.producer_id, "epoch": p.epoch, "policy": p.policy_name, "seconds": dt,
             "samples": s.samples, "tgbs": s.tgbs_committed, "commits": s.commits, "conflicts": s.conflicts,
             "commit_attempts": s.commit_attempts, "bytes": s.bytes_uploaded,
-            "requests": getattr(store, "requests", None), "ready_to_visible": lat,
+            "requests": getattr(store, "requests", None), "ready_to_visible": lat, "held_back": held,
         }  # fmt: skip
         print(orjson.dumps(figures).decode())
     print(
-        f"producer {a.producer_id} epoch {p.epoch}: resumed at {start}, {s.samples} samples, "
+        f"producer {a.producer_id} epoch {p.epoch}: resumed at {describe_cursor(start)}, {s.samples} samples, "
         f"{s.tgbs_committed} TGBs in {s.commits} commits, {s.bytes_uploaded / 1e6:.1f} MB in {dt:.2f} s"
     )
-    return 0
+    if held:
+        print(
+            f"held back {held} samples of a partial last global batch (--drop-last): a later run of producer "
+            f"{a.producer_id} starts with them"
+        )
+
+
+async def _feed(a: argparse.Namespace, p: lakestream.Producer, it: Iterator[Any], t0: float) -> int:
+    """Put every sample of `it`; with --drop-last, whole global batches only. The samples held back."""
+    batch = p.config.global_batch if a.drop_last else 1
+    held: list[tuple[Any, Any]] = []
+    n = 0
+    while (item := await _iterate(it)) is not None:
+        held.append(item)
+        if len(held) < batch:
+            continue
+        for sample, cursor in held:
+            await p.put(sample, cursor=cursor)
+            n += 1
+            if a.rate > 0 and (ahead := t0 + n / a.rate - time.perf_counter()) > 0:
+                await anyio.sleep(ahead)
+        held = []
+    return len(held)
+
+
+def _file_name(batch: lakestream.RankBatch, key: Any, field: str) -> str:
+    """`<key>.<field>` if it is one plain file name (the store is untrusted), else CorruptData."""
+    name = f"{key}.{field}"
+    if not isinstance(key, str) or "/" in name or "\0" in name or ".." in name.split(".") or len(name.encode()) > 255:
+        raise lakestream.CorruptData(
+            f"step {batch.step} rank {batch.rank}: sample {_safe(repr(key))} field {_safe(repr(field))} "
+            "is not a plain file name; refusing to write it"
+        )
+    return name
 
 
 def _write_step(out: Path, batch: lakestream.RankBatch) -> None:
+    names = [
+        (_file_name(batch, sample["__key__"], field), value)
+        for sample in batch.samples
+        for field, value in sample.items()
+        if field != "__key__"
+    ]
     final = out / f"{batch.step:012d}"
     if final.exists():
         shutil.rmtree(final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{batch.step:012d}.", dir=out))
-    for sample in batch.samples:
-        key = sample["__key__"]
-        for field, value in sample.items():
-            if field != "__key__":
-                (tmp / f"{key}.{field}").write_bytes(value)
+    for name, value in names:
+        (tmp / name).write_bytes(value)
     os.rename(tmp, final)
+
+
+def _safe(text: str, escape: str = "") -> str:
+    """`text` with what a terminal would interpret (control, format and other non-printable characters) and
+    the characters in `escape` written as Python escapes: safe to print, one line."""
+    out = []
+    for c in text:
+        if c.isprintable() and c not in escape:
+            out.append(c)
+        elif c == "\\":
+            out.append("\\\\")
+        else:
+            n = ord(c)
+            out.append(f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}")
+    return "".join(out)
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS).decode() + "\n")
 
 
 async def _read(a: argparse.Namespace) -> int:
@@ -201,16 +414,28 @@ async def _read(a: argparse.Namespace) -> int:
             nbytes += batch.nbytes
             if out is not None:
                 await anyio.to_thread.run_sync(_write_step, out, batch)
-            else:
-                keys = ",".join(s["__key__"] for s in batch.samples)
-                print(f"step {batch.step}: {len(batch)} samples ({batch.nbytes} bytes) {keys}")
-    print(f"rank {a.rank}: {n} steps, {nbytes / 1e6:.1f} MB", file=sys.stderr)
+            keys = [s["__key__"] for s in batch.samples]
+            if a.json:
+                line = {"step": batch.step, "rank": a.rank, "samples": len(batch), "bytes": batch.nbytes, "keys": keys}
+                if out is not None:
+                    line["dir"] = str(out / f"{batch.step:012d}")
+                _print_json(line)
+            elif out is None:
+                shown = ",".join(_safe(k, escape="\\,") for k in keys)
+                print(f"step {batch.step}: {len(batch)} samples ({batch.nbytes} bytes) {shown}")
+    if a.json:
+        _print_json({"summary": True, "rank": a.rank, "steps": n, "bytes": nbytes, "from_step": start, "to_step": stop - 1})
+    else:
+        print(f"rank {a.rank}: {n} steps, {nbytes / 1e6:.1f} MB", file=sys.stderr)
     return 0
 
 
 async def _checkpoint(a: argparse.Namespace) -> int:
     done = await lakestream.checkpoint(a.url, a.id, a.step)
-    print(f"checkpoint {a.id} at step {a.step}: {'recorded' if done else 'already recorded'}")
+    if a.json:
+        _print_json({"url": a.url, "id": a.id, "step": a.step, "recorded": done})
+    else:
+        print(f"checkpoint {a.id} at step {a.step}: {'recorded' if done else 'already recorded'}")
     return 0
 
 
@@ -228,8 +453,15 @@ async def _rewind(a: argparse.Namespace) -> int:
 
 async def _gc(a: argparse.Namespace) -> int:
     report = await lakestream.gc(a.url, dry_run=a.dry_run, orphan_grace=a.orphan_grace, force_grace=a.force_grace)
-    print(report.summary())
+    if a.json:
+        _print_json(_as_dict(report))
+    else:
+        print(report.summary())
     return 0
+
+
+def _as_dict(report: Any) -> dict[str, Any]:
+    return report.to_dict() if hasattr(report, "to_dict") else dataclasses.asdict(report)
 
 
 def status_dict(state: lakestream.State) -> dict[str, Any]:
@@ -268,6 +500,9 @@ async def _status(a: argparse.Namespace) -> int:
 
 async def _verify(a: argparse.Namespace) -> int:
     report = await lakestream.verify(a.url)
+    if a.json:
+        _print_json({**_as_dict(report), "ok": report.ok})
+        return 0 if report.ok else 1
     for problem in report.problems:
         print(f"FAIL {problem}")
     print(
@@ -320,15 +555,53 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.WARNING - 10 * min(args.verbose, 2), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    if args.verbose < 2:  # a finaliser's complaint at exit (an unclosed loop, transport, task) is not the user's business
+        sys.unraisablehook = lambda u: logging.getLogger("lakestream").debug("ignored in %r: %s", u.object, u.exc_value)
     try:
         if args.command in SYNC_COMMANDS:
             return SYNC_COMMANDS[args.command](args)
         return anyio.run(COMMANDS[args.command], args)
     except KeyboardInterrupt:
+        print(f"lakestream {args.command}: interrupted", file=sys.stderr)
         return 130
-    except (LakestreamError, OSError, ValueError, ImportError, subprocess.CalledProcessError) as e:
-        print(f"lakestream {args.command}: error: {e}", file=sys.stderr)
-        return 1
+    except BaseExceptionGroup as group:  # the library unwraps these; a last line of defence
+        return _fail(args, _first_error(group))
+    except Exception as e:
+        return _fail(args, e)
+
+
+EXPECTED = (LakestreamError, OSError, ValueError, ImportError, subprocess.CalledProcessError)
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """The leaf of `group` to report: the first Lakestream error, else the first OSError, else the first leaf."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        e = pending.pop(0)
+        if isinstance(e, BaseExceptionGroup):
+            pending[:0] = e.exceptions
+        else:
+            leaves.append(e)
+    for kind in (LakestreamError, OSError, Exception):
+        if found := next((e for e in leaves if isinstance(e, kind)), None):
+            return found
+    return leaves[0] if leaves else group
+
+
+def _fail(args: argparse.Namespace, e: BaseException) -> int:
+    """Print `e` as one line on stderr; the exit status."""
+    if isinstance(e, KeyboardInterrupt):
+        print(f"lakestream {args.command}: interrupted", file=sys.stderr)
+        return 130
+    if isinstance(e, EXPECTED):
+        message = str(e) or type(e).__name__
+    else:
+        message = f"internal error: {type(e).__name__}: {e} (-vv shows the traceback)"
+    if args.verbose >= 2:
+        traceback.print_exception(e)
+    print(f"lakestream {args.command}: error: {_safe(message)}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

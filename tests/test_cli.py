@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
 import json
+import os
 import random
+import re
+import signal
 from pathlib import Path
 
 import anyio
+import numpy as np
 import pytest
 from cliutil import describe, make_source_dir, read_out_dir, run_cli, spawn_cli, wait_until
 
@@ -131,11 +137,12 @@ def test_produce_then_read_reproduces_every_file(backend: str, tmp_path: Path, r
     st = status(url, env)
     assert st["head_step"] == steps - 1
     p = st["producers"]["shard-0"]
-    assert (p["epoch"], p["seq"], p["cursor"]) == (1, steps - 1, len(files))
+    assert (p["epoch"], p["seq"]) == (1, steps - 1)
+    assert (p["cursor"]["files"], p["cursor"]["after"]) == (len(files), "k-00044.txt")
 
     # Again with the same id: it resumes at the end, commits nothing, and bumps the epoch.
     r = run_cli("produce", url, "--producer-id", "shard-0", "--from-dir", src, env=env, check=True)
-    assert f"epoch 2: resumed at {len(files)}, 0 samples" in r.stdout, describe(r)
+    assert f"epoch 2: resumed at {len(files)} (files up to 'k-00044.txt'), 0 samples" in r.stdout, describe(r)
     st2 = status(url, env)
     assert st2["head_step"] == steps - 1 and st2["producers"]["shard-0"]["epoch"] == 2
 
@@ -346,3 +353,311 @@ def test_a_commit_record_with_a_float_seq_is_rejected(produced: tuple[str, dict[
 def test_demo(tmp_path: Path) -> None:
     r = run_cli("demo", "--samples", 300, "--sample-size", 8192, "--dir", tmp_path, timeout=120, check=True)
     assert "verification: OK" in r.stdout, describe(r)
+
+
+# -- the directory source's cursor (issue 8, item 4) ------------------------------------------------
+
+
+def test_a_changed_source_dir_is_refused_or_continued_exactly(tmp_path: Path) -> None:
+    """The cursor names the last consumed file: a file added or removed at or before it is refused
+    (nothing committed), a file added after it is produced, and every file is read exactly once."""
+    url = file_url(tmp_path / "stream")
+    run_cli("init", url, "--world-size", 2, "--global-batch", 8, check=True)
+    src = tmp_path / "src"
+    files = make_source_dir(src, "a", 20, random.Random(11))
+    run_cli("produce", url, "--producer-id", "p", "--from-dir", src, check=True)
+    before = status(url)
+    assert before["head_step"] == 2 and before["producers"]["p"]["cursor"]["after"] == "a-00019.txt"
+
+    def refused(what: str) -> None:
+        r = run_cli("produce", url, "--producer-id", "p", "--from-dir", src, check=False)
+        assert what in r.stderr and "committed cursor" in r.stderr and "a-00019.txt" in r.stderr, describe(r)
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, describe(r)
+        assert status(url)["head_step"] == before["head_step"]
+
+    (src / "a-00003b.txt").write_bytes(b"sorts before the cursor")  # the old position cursor duplicated a sample
+    refused("1 file(s) were added at or before it")
+    (src / "a-00003b.txt").unlink()
+    (src / "a-00019.extra").write_bytes(b"a new field of the last consumed sample")
+    refused("1 file(s) were added at or before it")
+    (src / "a-00019.extra").unlink()
+    (src / "a-00005.bin").unlink()
+    refused("1 file(s) were removed at or before it")
+    (src / "a-00005.bin").write_bytes(files["a-00005.bin"])
+    (src / "a-00005.bin").rename(src / "a-00005.dat")
+    refused("renamed or replaced")
+    (src / "a-00005.dat").rename(src / "a-00005.bin")
+
+    # Restored, and one file added after the cursor: exactly that sample is produced.
+    (src / "b-00000.txt").write_bytes(b"new")
+    files["b-00000.txt"] = b"new"
+    r = run_cli("produce", url, "--producer-id", "p", "--from-dir", src, check=True)
+    assert ", 1 samples" in r.stdout, describe(r)
+    assert merged(read_all(url, 2, tmp_path / "out")) == files
+    run_cli("verify", url, check=True)
+
+
+def test_an_integer_cursor_resumes_at_its_position(tmp_path: Path) -> None:
+    """Streams committed before name-based cursors hold the position in the sorted list: it still resumes."""
+    url = file_url(tmp_path / "stream")
+    run_cli("init", url, "--world-size", 2, "--global-batch", 4, check=True)
+    src = tmp_path / "src"
+    files = make_source_dir(src, "a", 10, random.Random(12))
+    names = sorted(files)
+
+    async def produce_first(n_samples: int) -> None:
+        async with lakestream.open_producer(url, "old") as p:
+            i = 0
+            for _ in range(n_samples):
+                key = names[i].partition(".")[0]
+                sample: dict = {"__key__": key}
+                while i < len(names) and names[i].partition(".")[0] == key:
+                    sample[names[i].partition(".")[2]] = files[names[i]]
+                    i += 1
+                await p.put(sample, cursor=i)  # the old cursor: a position
+
+    anyio.run(produce_first, 4)
+    assert isinstance(status(url)["producers"]["old"]["cursor"], int)
+    r = run_cli("produce", url, "--producer-id", "old", "--from-dir", src, check=True)
+    assert ", 6 samples" in r.stdout, describe(r)
+    assert merged(read_all(url, 2, tmp_path / "out")) == files
+    assert status(url)["producers"]["old"]["cursor"]["files"] == len(files)
+
+
+# -- hostile names, links and arguments (issue 8, item 13) ----------------------------------------
+
+
+def test_a_non_utf8_file_name_is_a_typed_error_naming_it(tmp_path: Path) -> None:
+    url = file_url(tmp_path / "stream")
+    run_cli("init", url, "--world-size", 1, "--global-batch", 2, check=True)
+    src = tmp_path / "src"
+    make_source_dir(src, "a", 3, random.Random(0))
+    with open(os.fsencode(src) + b"/k\xff\xfe.txt", "wb") as f:
+        f.write(b"latin-1 name")
+    r = run_cli("produce", url, "--producer-id", "p", "--from-dir", src, check=False)
+    assert "not UTF-8" in r.stderr and "k\\xff\\xfe.txt" in r.stderr, describe(r)
+    assert "Traceback" not in r.stderr and "UnicodeEncodeError" not in r.stderr, describe(r)
+    assert status(url)["head_step"] == -1
+
+
+def test_symlinks_out_of_the_source_dir_are_refused(tmp_path: Path) -> None:
+    url = file_url(tmp_path / "stream")
+    run_cli("init", url, "--world-size", 1, "--global-batch", 4, check=True)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"root:x:0:0")
+    src = tmp_path / "src"
+    files = make_source_dir(src, "a", 3, random.Random(0))
+    (src / "a-00001.copy").symlink_to("a-00000.txt")  # inside the directory: read as that file
+    files["a-00001.copy"] = files["a-00000.txt"]
+    (src / "b.shadow").symlink_to(secret)
+    r = run_cli("produce", url, "--producer-id", "p", "--from-dir", src, check=False)
+    assert "'b.shadow' is a symbolic link to" in r.stderr and "outside" in r.stderr, describe(r)
+    assert "--follow-symlinks" in r.stderr and "Traceback" not in r.stderr, describe(r)
+    assert status(url)["head_step"] == -1  # nothing was published
+
+    (src / "b.shadow").unlink()
+    (src / "b.dangling").symlink_to(tmp_path / "nothing")
+    r = run_cli("produce", url, "--producer-id", "p", "--from-dir", src, check=False)
+    assert "'b.dangling' is a symbolic link to" in r.stderr, describe(r)
+    (src / "b.dangling").unlink()
+    (src / "b.shadow").symlink_to(secret)
+    run_cli("produce", url, "--producer-id", "p", "--from-dir", src, "--follow-symlinks", check=True)
+    assert merged(read_all(url, 1, tmp_path / "out")) == {**files, "b.shadow": b"root:x:0:0"}
+
+
+def test_read_prints_keys_escaped(tmp_path: Path) -> None:
+    url = file_url(tmp_path / "stream")
+    run_cli("init", url, "--world-size", 1, "--global-batch", 3, check=True)
+    hostile = ["k\x1b[2J\x1b]0;owned\x07", "b\\x1b,c", "r\u202eevil"]
+
+    async def put() -> None:
+        async with lakestream.open_producer(url, "p") as p:
+            for i, key in enumerate(hostile):
+                await p.put({"__key__": key, "txt": b"x"}, cursor=i + 1)
+
+    anyio.run(put)
+    r = run_cli("read", url, "--rank", 0, check=True)
+    assert "\x1b" not in r.stdout and "\x07" not in r.stdout and "\u202e" not in r.stdout, describe(r)
+    assert r.stdout.strip() == (
+        "step 0: 3 samples (" + r.stdout.split("(")[1].split(")")[0] + ") "
+        "k\\x1b[2J\\x1b]0;owned\\x07,b\\\\x1b\\x2cc,r\\u202eevil"
+    ), describe(r)
+    r = run_cli("read", url, "--rank", 0, "--json", check=True)
+    assert json.loads(r.stdout.splitlines()[0])["keys"] == hostile  # JSON escapes them itself
+
+
+@pytest.mark.parametrize("args", [("--from-step", -5), ("--to-step", -1), ("--rank", -1)])
+def test_negative_steps_and_ranks_are_usage_errors(produced: tuple[str, dict[str, bytes]], args: tuple) -> None:
+    url, _ = produced
+    extra = () if args[0] == "--rank" else ("--rank", 0)
+    r = run_cli("read", url, *extra, *args, check=False)
+    assert r.returncode == 2 and "negative" in r.stderr and "reclaimed" not in r.stderr, describe(r)
+    assert "Traceback" not in r.stderr
+
+
+# -- the first hour: help, Ctrl-C, reports, typed fields, the last batch (issue 8, items 14 to 18) ---
+
+
+def test_help_lists_defaults_url_forms_and_examples() -> None:
+    r = run_cli("--help", check=True)
+    for form in ("file://PATH", "s3://BUCKET/PREFIX", "memory://"):
+        assert form in r.stdout, describe(r)
+    assert "examples:" in r.stdout and r.stdout.rstrip().splitlines()[-3].strip().startswith("lakestream demo")
+    r = run_cli("--version", check=True)
+    assert r.stdout.strip() == f"lakestream {importlib.metadata.version('lakestream')}", describe(r)
+
+    from lakestream._cli import _parser
+
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, command in sub.choices.items():
+        assert command.description, f"{name} has no description"
+        text = run_cli(name, "--help", check=True).stdout
+        assert command.description.split()[0] in text, name
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            what = f"{name} {'/'.join(action.option_strings) or action.dest}"
+            assert action.help, f"{what} has no help text"
+            if action.option_strings:
+                help_text = command._get_formatter()._get_help_string(action)
+                assert "default" in help_text or "(required)" in help_text or action.default is None, what
+                if action.default not in (None, False):
+                    assert "default" in help_text, what
+                    # the default shown is the real one
+                    assert "%(default)s" not in help_text or str(action.default) in help_text % vars(action), what
+
+
+@pytest.mark.parametrize("backend", ["file", pytest.param("s3", marks=pytest.mark.s3)])
+def test_ctrl_c_during_produce_prints_one_line_and_resumes(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    if backend == "file":
+        url, env = file_url(tmp_path / "stream"), {}
+    else:
+        env = request.getfixturevalue("s3_server").env()
+        url = request.getfixturevalue("s3_url")
+    run_cli("init", url, "--world-size", 2, "--global-batch", 4, env=env, check=True)
+    proc = spawn_cli(
+        "produce", url, "--producer-id", "p", "--synthetic", 100_000, "--sample-size", 256, "--rate", 400, env=env
+    )
+    try:
+        wait_until(lambda: status(url, env)["head_step"] >= 3 or proc.poll() is not None, 60, "four committed steps")
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err and "Exception ignored" not in err, err
+    m = re.fullmatch(r"lakestream produce: interrupted; committed through cursor (\d+); run the same command to resume",
+                     lines[0])  # fmt: skip
+    assert m, lines[0]
+    said, committed = int(m.group(1)), status(url, env)["producers"]["p"]["cursor"]
+    assert 16 <= said <= committed <= said + 400, (said, committed)  # a commit in flight may land after it
+    r = run_cli("produce", url, "--producer-id", "p", "--synthetic", committed + 5, "--sample-size", 256, env=env)
+    assert r.returncode == 0 and f"resumed at {committed}, 5 samples" in r.stdout, describe(r)
+    run_cli("verify", url, env=env, check=True)
+
+
+def test_json_reports_and_a_dry_run_that_says_would(produced: tuple[str, dict[str, bytes]]) -> None:
+    url, _ = produced
+    r = run_cli("checkpoint", url, "--id", "c1", "--step", 3, "--json", check=True)
+    assert json.loads(r.stdout) == {"url": url, "id": "c1", "step": 3, "recorded": True}
+    r = run_cli("checkpoint", url, "--id", "c1", "--step", 3, "--json", check=True)
+    assert json.loads(r.stdout)["recorded"] is False
+
+    r = run_cli("gc", url, "--dry-run", check=True)
+    assert "would reclaim steps below 3" in r.stdout and "would delete" in r.stdout, describe(r)
+    r = run_cli("gc", url, "--dry-run", "--json", check=True)
+    report = json.loads(r.stdout)
+    assert report["dry_run"] is True and report["reclaimed_below"] == 3 and report["segments_deleted"] >= 3
+    assert status(url)["first_step"] == 0  # the dry run changed nothing
+    r = run_cli("gc", url, "--json", check=True)
+    report = json.loads(r.stdout)
+    assert report["dry_run"] is False and report["bytes_freed"] > 0 and status(url)["first_step"] == 3
+
+    r = run_cli("verify", url, "--json", check=True)
+    report = json.loads(r.stdout)
+    assert report["ok"] is True and (report["first_step"], report["head"], report["problems"]) == (3, 5, [])
+
+    r = run_cli("read", url, "--rank", 1, "--json", check=True)
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [x["step"] for x in lines[:-1]] == [3, 4, 5] and all(x["rank"] == 1 for x in lines[:-1])
+    assert lines[-1] == {"summary": True, "rank": 1, "steps": 3, "bytes": sum(x["bytes"] for x in lines[:-1]),
+                         "from_step": 3, "to_step": 5}  # fmt: skip
+    r = run_cli("read", url, "--rank", 1, "--from-step", 0, check=False)  # reclaimed: one line, typed
+    assert "step 0" in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_decode_turns_webdataset_extensions_into_values(tmp_path: Path) -> None:
+    url = file_url(tmp_path / "stream")
+    run_cli("init", url, "--world-size", 1, "--global-batch", 2, check=True)
+    src = tmp_path / "src"
+    src.mkdir()
+    array = np.arange(12, dtype=np.float32).reshape(3, 4)
+    np.save(src / "a.npy", array)
+    (src / "a.json").write_bytes(b'{"x": [1, 2.5], "y": null}')
+    (src / "a.txt").write_bytes("héllo\n".encode())
+    (src / "a.cls").write_bytes(b"7\n")
+    (src / "a.seg.json").write_bytes(b"[1]")
+    (src / "a.jpg").write_bytes(b"\xff\xd8 not decoded")
+    (src / "b.txt").write_bytes(b"plain")
+    run_cli("produce", url, "--producer-id", "p", "--from-dir", src, "--decode", check=True)
+
+    async def read() -> list[dict]:
+        async with lakestream.open_reader(url, 0) as r:
+            return [s async for b in r.steps(0, 1) for s in b.samples]
+
+    a, b = anyio.run(read)
+    assert (a["json"], a["txt"], a["cls"], a["seg.json"], a["jpg"]) == (
+        {"x": [1, 2.5], "y": None}, "héllo\n", 7, [1], b"\xff\xd8 not decoded"
+    )
+    assert a["npy"].dtype == np.float32 and (a["npy"] == array).all()
+    assert b == {"__key__": "b", "txt": "plain"}
+
+    (src / "c.json").write_bytes(b"{not json")
+    r = run_cli("produce", url, "--producer-id", "p", "--from-dir", src, "--decode", check=False)
+    assert f"{src / 'c.json'}: cannot decode as .json" in r.stderr and "Traceback" not in r.stderr, describe(r)
+
+
+def test_drop_last_holds_back_a_partial_last_batch(tmp_path: Path) -> None:
+    url = file_url(tmp_path / "stream")
+    run_cli("init", url, "--world-size", 2, "--global-batch", 8, check=True)
+    src = tmp_path / "src"
+    files = make_source_dir(src, "a", 20, random.Random(5))
+    r = run_cli("produce", url, "--producer-id", "p", "--from-dir", src, "--drop-last", check=True)
+    assert "held back 4 samples" in r.stdout, describe(r)
+    st = status(url)
+    assert st["head_step"] == 1 and st["producers"]["p"]["cursor"]["after"].startswith("a-00015.")
+    files.update(make_source_dir(src, "b", 4, random.Random(6)))  # the batch fills up
+    r = run_cli("produce", url, "--producer-id", "p", "--from-dir", src, "--drop-last", check=True)
+    assert ", 8 samples" in r.stdout and "held back" not in r.stdout, describe(r)
+    per_rank = read_all(url, 2, tmp_path / "out")
+    assert merged(per_rank) == files
+    assert all(len({n.partition(".")[0] for n in step}) == 4 for rank in per_rank for step in rank.values())
+    r = run_cli("produce", "--help", check=True)
+    assert "short last step" in r.stdout and "--drop-last" in r.stdout
+
+
+def test_an_exception_group_escaping_a_command_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """The library unwraps task-group errors; the CLI does too, as a last line of defence."""
+    from lakestream import _cli
+
+    async def failing(a: object) -> int:
+        raise ExceptionGroup("unhandled errors in a TaskGroup", [RuntimeError("x"), lakestream.StoreUnavailable("s3 down")])
+
+    monkeypatch.setitem(_cli.COMMANDS, "status", failing)
+    assert _cli.main(["status", "file:///nowhere"]) == 1
+    err = capsys.readouterr().err
+    assert err == "lakestream status: error: s3 down\n"
+
+    async def bug(a: object) -> int:
+        raise KeyError("\x1b[2J")
+
+    monkeypatch.setitem(_cli.COMMANDS, "status", bug)
+    assert _cli.main(["status", "file:///nowhere"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal error: KeyError" in err and "\x1b" not in err, err
