@@ -5,6 +5,17 @@ tokenising overlap with uploads and commits. The cursor put with each sample is 
 position after it; a restarted pipeline resumes exactly after the last committed sample.
 
     python examples/producer_pipeline.py STREAM_URL [--producer-id ID] [--records N]
+                                         [--world-size W] [--global-batch B]
+
+Options:
+  STREAM_URL        file://PATH (or a plain path) or s3://BUCKET/PREFIX
+  --producer-id ID  this producer's id; a rerun with the same id resumes (default pipeline-0)
+  --records N       produce source records 0..N-1 (default 1000); a rerun with a larger N adds the rest
+  --world-size W    world size if the stream does not exist yet (default 2)
+  --global-batch B  global batch if the stream does not exist yet (default 32)
+
+A stream that exists (created by `lakestream init` or another program) is used as it is, whatever
+its shape; --world-size and --global-batch only shape a stream this example creates.
 """
 
 from __future__ import annotations
@@ -59,17 +70,29 @@ async def run(url: str, producer_id: str, records: int) -> int:
     return producer.stats.samples
 
 
+async def create_if_missing(url: str, world_size: int, global_batch: int) -> None:
+    """Create the stream unless one exists (with any config: someone else may have created it)."""
+    try:
+        state = await lakestream.load_state(url)
+    except lakestream.StreamNotFound:
+        await lakestream.create(url, world_size=world_size, global_batch=global_batch)
+        print(f"created {url}: world size {world_size}, global batch {global_batch}")
+    else:
+        assert state.config is not None
+        print(f"using {url}: world size {state.config.world_size}, global batch {state.config.global_batch}")
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("url")
     ap.add_argument("--producer-id", default="pipeline-0")
     ap.add_argument("--records", type=int, default=1000)
-    ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--global-batch", type=int, default=32)
+    ap.add_argument("--world-size", type=int, default=2, help="only for a stream this example creates")
+    ap.add_argument("--global-batch", type=int, default=32, help="only for a stream this example creates")
     a = ap.parse_args()
 
     async def go() -> None:
-        await lakestream.create(a.url, world_size=a.world_size, global_batch=a.global_batch)
+        await create_if_missing(a.url, a.world_size, a.global_batch)
         await run(a.url, a.producer_id, a.records)
 
     anyio.run(go)

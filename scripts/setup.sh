@@ -1,14 +1,29 @@
 #!/usr/bin/env bash
 # Set up everything Lakestream's demo, tests and benchmarks need on a fresh Debian machine:
 # system packages (FUSE 3), a virtual environment in .venv, and the project with all extras.
+# Each stage says what it does on stderr; a stage with nothing to do says so and moves on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
-if ! dpkg -s fuse3 libfuse3-dev pkg-config >/dev/null 2>&1; then
+say() { echo "setup: $*" >&2; }
+
+if dpkg -s fuse3 libfuse3-dev pkg-config >/dev/null 2>&1; then
+  say "system packages fuse3, libfuse3-dev, pkg-config: already installed"
+else
+  say "installing system packages fuse3, libfuse3-dev, pkg-config (apt-get)..."
   apt-get update -qq
   apt-get install -y -qq fuse3 libfuse3-dev pkg-config >/dev/null
 fi
-[ -x .venv/bin/python ] || python3 -m venv .venv
+if [ -x .venv/bin/python ]; then
+  say "virtual environment .venv: exists"
+else
+  say "creating the virtual environment .venv..."
+  python3 -m venv .venv
+fi
+say "upgrading pip in .venv..."
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+say "installing torch 2.13.0 (a few minutes on a fresh machine; quiet unless it fails)..."
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+say "installing lakestream with its extras s3, mount, torch, dev (a few minutes on a fresh machine)..."
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[s3,mount,torch,dev]"
+say "done: $(.venv/bin/lakestream --version) in .venv (try: .venv/bin/lakestream demo)"
