@@ -66,7 +66,8 @@ async def run(url: str, producer_id: str, records: int) -> int:
             tg.start_soon(read)
             tg.start_soon(decode)
             tg.start_soon(tokenise_and_put)
-    print(f"{producer_id}: resumed at {start}, put {producer.stats.samples}, committed {producer.stats.tgbs_committed} TGBs")
+    stats = producer.stats
+    print(f"{producer_id}: resumed at {start}, put {stats.samples}, committed {stats.tgbs_committed} TGBs")
     return producer.stats.samples
 
 

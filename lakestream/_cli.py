@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import importlib.metadata
 import logging
 import os
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ import lakestream
 from ._dac import DacPolicy
 from ._errors import LakestreamError
 from ._sources import describe_cursor, dir_source, synthetic_source
+from ._tasks import task_group
 
 __all__ = ["main"]
 
@@ -72,6 +72,14 @@ class _Formatter(argparse.HelpFormatter):
         return text + " (default: %(default)s)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """The parser of each command: formatted like the main one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
+
 def _nonneg(text: str) -> int:
     """An argparse type: an integer >= 0 (steps and ranks)."""
     try:
@@ -101,7 +109,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug and tracebacks)")
     ap.add_argument("--version", action="version", version=f"lakestream {_version()}")
     sub = ap.add_subparsers(
-        dest="command", required=True, metavar="COMMAND", parser_class=functools.partial(argparse.ArgumentParser, formatter_class=_Formatter)
+        dest="command",
+        required=True,
+        metavar="COMMAND",
+        parser_class=_Parser,
     )
     url_help = "stream URL: file://PATH or PATH, s3://BUCKET/PREFIX, memory://"
 
@@ -115,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot-every", type=int, default=1000, help="write a manifest snapshot every N log versions")
     p.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints retained; GC keeps their steps")
     p.add_argument("--max-steps-ahead", type=int, default=0,
-                   help="back-pressure: producers wait while this many steps are beyond the watermark (0: never)")  # fmt: skip
+                   help="back-pressure: steps producers may commit past the watermark (0: no limit)")  # fmt: skip
     p.add_argument("--max-sample-bytes", type=int, default=1 << 30, help="largest sample accepted, in bytes")
 
     p = sub.add_parser("produce", help="produce samples from a directory or a synthetic source", description=(
@@ -133,7 +144,8 @@ def _parser() -> argparse.ArgumentParser:
         "them back instead: they stay uncommitted, and the next run of the same producer id starts with them."
     ))  # fmt: skip
     p.add_argument("url", help=url_help)
-    p.add_argument("--producer-id", required=True, help="this producer's name: a rerun with it resumes (and fences the older run)")
+    p.add_argument("--producer-id", required=True,
+                   help="this producer's name: a rerun with it resumes (and fences the older run)")  # fmt: skip
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-dir", metavar="DIR", help="a directory of <key>.<field> files")
     src.add_argument("--synthetic", type=int, metavar="N", help="N synthetic samples")
@@ -146,7 +158,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="hold back a final partial global batch instead of committing a short last step")
     p.add_argument("--sample-size", type=int, default=64 << 10, help="synthetic sample bytes")
     p.add_argument("--work-ms", type=float, default=0.0, help="synthetic CPU work per sample, milliseconds")
-    p.add_argument("--max-inflight-bytes", type=int, default=256 << 20, help="bytes sealed but not yet committed before put waits")
+    p.add_argument("--max-inflight-bytes", type=int, default=256 << 20,
+                   help="bytes sealed but not yet committed before put waits")  # fmt: skip
     p.add_argument("--commit-policy", choices=["dac", "eager", "backoff", "interval"], default="dac",
                    help="when to commit (see docs/dac.md)")  # fmt: skip
     p.add_argument("--max-commit-delay", type=float, default=None,
@@ -164,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", help="write the samples as files under DIR (default: list the keys)")
     p.add_argument("--from-step", type=_nonneg, default=None, help="first step (default: the first readable step)")
     p.add_argument("--to-step", type=_nonneg, default=None,
-                   help="last step, inclusive; waits for it to commit (default: the head when the read starts)")  # fmt: skip
+                   help="last step, inclusive; waits for it to commit (default: the head at the start)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object per step, and a summary, one per line")
 
     p = sub.add_parser("status", help="show the manifest state", description=(
@@ -277,7 +290,7 @@ async def _produce(a: argparse.Namespace) -> int:
                 scope.cancel()
                 return
 
-    async with anyio.create_task_group() as tg:
+    async with task_group() as tg:
         tg.start_soon(on_sigint, tg.cancel_scope)
         await _run_producer(a, producers)
         tg.cancel_scope.cancel()
@@ -308,6 +321,8 @@ async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Produc
             if a.from_dir is not None:
                 it: Iterator[Any] = dir_source(a.from_dir, start, decode=a.decode, follow_symlinks=a.follow_symlinks)
             else:
+                if not isinstance(start, int | None):
+                    raise ValueError(f"producer {a.producer_id!r} resumes at {start!r}, not a --synthetic position")
                 it = synthetic_source(
                     a.synthetic, a.sample_size, start=start or 0, prefix=f"{a.producer_id}-", work_ms=a.work_ms
                 )
@@ -358,7 +373,7 @@ async def _feed(a: argparse.Namespace, p: lakestream.Producer, it: Iterator[Any]
 def _file_name(batch: lakestream.RankBatch, key: Any, field: str) -> str:
     """`<key>.<field>` if it is one plain file name (the store is untrusted), else CorruptData."""
     name = f"{key}.{field}"
-    if not isinstance(key, str) or "/" in name or "\0" in name or ".." in name.split(".") or len(name.encode()) > 255:
+    if not isinstance(key, str) or name in (".", "..") or "/" in name or "\0" in name or len(name.encode()) > 255:
         raise lakestream.CorruptData(
             f"step {batch.step} rank {batch.rank}: sample {_safe(repr(key))} field {_safe(repr(field))} "
             "is not a plain file name; refusing to write it"
@@ -424,7 +439,8 @@ async def _read(a: argparse.Namespace) -> int:
                 shown = ",".join(_safe(k, escape="\\,") for k in keys)
                 print(f"step {batch.step}: {len(batch)} samples ({batch.nbytes} bytes) {shown}")
     if a.json:
-        _print_json({"summary": True, "rank": a.rank, "steps": n, "bytes": nbytes, "from_step": start, "to_step": stop - 1})
+        _print_json({"summary": True, "rank": a.rank, "steps": n, "bytes": nbytes, "from_step": start,
+                     "to_step": stop - 1})  # fmt: skip
     else:
         print(f"rank {a.rank}: {n} steps, {nbytes / 1e6:.1f} MB", file=sys.stderr)
     return 0
@@ -555,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.WARNING - 10 * min(args.verbose, 2), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    if args.verbose < 2:  # a finaliser's complaint at exit (an unclosed loop, transport, task) is not the user's business
+    if args.verbose < 2:  # a finaliser's complaint at exit (an unclosed transport, a task) is not the user's business
         sys.unraisablehook = lambda u: logging.getLogger("lakestream").debug("ignored in %r: %s", u.object, u.exc_value)
     try:
         if args.command in SYNC_COMMANDS:
@@ -566,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BaseExceptionGroup as group:  # the library unwraps these; a last line of defence
         return _fail(args, _first_error(group))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - the last line of defence: one line, never a traceback
         return _fail(args, e)
 
 

@@ -16,7 +16,15 @@ import orjson
 
 from ._errors import ConfigMismatch, InvalidSample
 
-__all__ = ["DECODERS", "decode_field", "describe_cursor", "dir_source", "list_dir", "synthetic_sample", "synthetic_source"]
+__all__ = [
+    "DECODERS",
+    "decode_field",
+    "describe_cursor",
+    "dir_source",
+    "list_dir",
+    "synthetic_sample",
+    "synthetic_source",
+]
 
 
 def list_dir(root: Path, *, follow_symlinks: bool = False) -> list[str]:
@@ -42,7 +50,9 @@ def list_dir(root: Path, *, follow_symlinks: bool = False) -> list[str]:
                         f"directory; refusing to read it (pass --follow-symlinks to read such links)"
                     )
                 if not os.path.exists(target):
-                    raise InvalidSample(f"--from-dir {root}: {_shown(e.name)} is a symbolic link to nothing ({_shown(target)})")
+                    raise InvalidSample(
+                        f"--from-dir {root}: {_shown(e.name)} is a symbolic link to nothing ({_shown(target)})"
+                    )
                 if not os.path.isfile(target):
                     continue
             elif not e.is_file(follow_symlinks=False):

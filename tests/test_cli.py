@@ -14,7 +14,14 @@ from pathlib import Path
 import anyio
 import numpy as np
 import pytest
-from cliutil import describe, make_source_dir, read_out_dir, run_cli, spawn_cli, wait_until
+from cliutil import (
+    describe,
+    make_source_dir,
+    read_out_dir,
+    run_cli,
+    spawn_cli,
+    wait_until,
+)
 
 import lakestream
 from lakestream._log import log_key
@@ -647,7 +654,8 @@ def test_an_exception_group_escaping_a_command_is_one_line(monkeypatch: pytest.M
     from lakestream import _cli
 
     async def failing(a: object) -> int:
-        raise ExceptionGroup("unhandled errors in a TaskGroup", [RuntimeError("x"), lakestream.StoreUnavailable("s3 down")])
+        errors = [RuntimeError("x"), lakestream.StoreUnavailable("s3 down")]
+        raise ExceptionGroup("unhandled errors in a TaskGroup", errors)
 
     monkeypatch.setitem(_cli.COMMANDS, "status", failing)
     assert _cli.main(["status", "file:///nowhere"]) == 1
