@@ -508,9 +508,9 @@ async def _status(a: argparse.Namespace) -> int:
     print(f"stream {a.url}: world size {d['world_size']}, global batch {d['global_batch']}")
     print(f"  steps {d['first_step']}..{d['head_step']}, manifest version {d['version']}, watermark {d['watermark']}")
     for pid, p in d["producers"].items():
-        print(f"  producer {pid}: epoch {p['epoch']}, seq {p['seq']}, cursor {p['cursor']!r}")
+        print(_safe(f"  producer {pid}: epoch {p['epoch']}, seq {p['seq']}, cursor {p['cursor']!r}"))
     for r in d["rejected"]:
-        print(f"  malformed record at version {r['version']}: {r['reason']}")
+        print(_safe(f"  malformed record at version {r['version']}: {r['reason']}"))
     return 0
 
 
@@ -520,7 +520,7 @@ async def _verify(a: argparse.Namespace) -> int:
         _print_json({**_as_dict(report), "ok": report.ok})
         return 0 if report.ok else 1
     for problem in report.problems:
-        print(f"FAIL {problem}")
+        print(_safe(f"FAIL {problem}"))
     print(
         f"{'OK' if report.ok else 'FAILED'}: {a.url}: steps {report.first_step}..{report.head} ({report.steps}), "
         f"{report.samples} samples, {report.bytes / 1e6:.1f} MB, version {report.version}, "
