@@ -413,7 +413,16 @@ def _safe(text: str, escape: str = "") -> str:
 
 
 def _print_json(obj: Any) -> None:
-    sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS).decode() + "\n")
+    """`obj` as one line of JSON on stdout (sets as sorted lists, other unknown values as text)."""
+    sys.stdout.write(orjson.dumps(obj, default=_jsonable, option=orjson.OPT_NON_STR_KEYS).decode() + "\n")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=str)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return str(value)
 
 
 async def _read(a: argparse.Namespace) -> int:
