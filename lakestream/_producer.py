@@ -23,6 +23,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import orjson
 
 from ._batching import assign_ranks
 from ._dac import AttemptOutcome, CommitPolicy, Observation, make_policy
@@ -169,7 +170,10 @@ class Producer:
         self.cursor = p.cursor
         self._committed_seq = p.seq
         self._next_seq = p.seq + 1
-        log.info("%s: producer %s registered epoch %d, resuming at %r", self.manifest.url, self.id, self.epoch, self.cursor)
+        log.info(
+            "%s: producer %s registered epoch %d, resuming at %s",
+            self.manifest.url, self.id, self.epoch, orjson.dumps(self.cursor).decode(),
+        )  # fmt: skip
         return version
 
     # -- the public API ------------------------------------------------------------------------

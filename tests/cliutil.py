@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 __all__ = [
     "LAKESTREAM",
     "cli_env",
+    "cursor_position",
     "make_source_dir",
     "read_out_dir",
     "run_cli",
@@ -33,6 +34,14 @@ __all__ = [
 LAKESTREAM = [sys.executable, "-m", "lakestream._cli"]
 
 T = TypeVar("T")
+
+
+def cursor_position(cursor: Any) -> int:
+    """How many source files a committed cursor has consumed: `--from-dir` cursors are
+    `{"after": name, "files": n, "sha256": …}` (older ones a plain position), None is 0."""
+    if isinstance(cursor, dict):
+        return int(cursor["files"])
+    return 0 if cursor is None else int(cursor)
 
 
 def cli_env(env: Mapping[str, str] | None = None) -> dict[str, str]:

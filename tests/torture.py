@@ -75,6 +75,8 @@ THIS = str(Path(__file__).resolve())
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from cliutil import cursor_position  # noqa: E402
+
 CHILD_MODES = ("cli", "pyreader", "mntreader")
 
 
@@ -438,7 +440,7 @@ class Report:
         return "\n".join(lines)
 
 
-REGISTERED = re.compile(r"producer (\S+) registered epoch (\d+), resuming at (\S+)")
+REGISTERED = re.compile(r"producer (\S+) registered epoch (\d+), resuming at (.*)")  # the cursor as JSON
 
 
 def parse_faults(spec: str) -> dict[str, float]:
@@ -725,8 +727,8 @@ class Torture:
         m = REGISTERED.search(p.child.text())
         if m is None or self.registered_before_rewind(p, m):
             return
-        got = None if m[3] == "None" else int(m[3])
-        if (got or 0) != p.expect_resume:
+        got = cursor_position(json.loads(m[3]))
+        if got != p.expect_resume:
             self.failures.append(f"{p.pid}: after the rewind it resumed at {got}, expected {p.expect_resume}")
         else:
             self.counts["resumes_checked_after_rewind"] += 1
@@ -1012,7 +1014,7 @@ class Torture:
             want = last[p.pid].cursor if p.pid in last else None
             if ps is not None and ps.cursor != want:
                 self.failures.append(f"after the rewind {p.pid}'s cursor is {ps.cursor}, expected {want}")
-            p.expect_resume = want or 0
+            p.expect_resume = cursor_position(want)
             if p.state == "done":
                 p.state = "restart"
                 p.restart_at = time.monotonic()
@@ -1338,7 +1340,7 @@ class Torture:
                 break
         for p in self.producers:
             ps = st.producers.get(p.pid)
-            if ps is None or ps.cursor != p.files:
+            if ps is None or cursor_position(ps.cursor) != p.files:
                 fails.append(f"{p.pid}: final cursor {ps.cursor if ps else None}, expected {p.files}")
         self.out(f"[{self.now():7.1f}] final gc done; checking")
         # -- read every retained step again (in-process reader over the faulty store) ---------
@@ -1451,7 +1453,7 @@ class Torture:
                     fails.append(f"step {s} ({pid}): records are not the next {n} of its source")
                     break
                 pos += n
-                if e.cursor != seq[pos - 1][1]:
+                if cursor_position(e.cursor) != seq[pos - 1][1]:
                     fails.append(f"step {s} ({pid}): cursor {e.cursor}, expected {seq[pos - 1][1]}")
                     break
         # -- reader failures -------------------------------------------------------------------
