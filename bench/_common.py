@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))
 
-from s3server import S3Server, WeedNotFound, find_weed  # tests/s3server.py
+from s3server import S3Server, WeedNotFound, find_weed  # noqa: E402  (tests/s3server.py, after the path)
 
 __all__ = [
     "REPO",

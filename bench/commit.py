@@ -197,7 +197,9 @@ class _Track:
     error: str = ""
 
 
-def _snapshot(producers: list[Any], tracks: list[_Track], store: Any, races: _RaceCounter, now: float) -> dict[str, Any]:
+def _snapshot(
+    producers: list[Any], tracks: list[_Track], store: Any, races: _RaceCounter, now: float
+) -> dict[str, Any]:
     per = []
     for p, tr in zip(producers, tracks):
         s = p.stats
@@ -349,7 +351,9 @@ async def emulate(cfg: dict[str, Any]) -> dict[str, Any]:
                     "latency": getattr(pol, "latency", None),
                     "multiplier": getattr(pol, "multiplier", None),
                     "active": p._active(),
-                    "interval": pol.interval(p._active()) if hasattr(pol, "interval") and callable(pol.interval) else None,
+                    "interval": pol.interval(p._active())
+                    if hasattr(pol, "interval") and callable(pol.interval)
+                    else None,
                 }
             )
         stop.set()
@@ -459,11 +463,19 @@ def run_s3(s3: SeaweedS3, bucket: str, policy: str, n: int, samples: int, grace:
     for attempt in range(3):
         url = f"{bucket}/{policy}-{n}-{uuid.uuid4().hex[:8]}"
         init = subprocess.run(
-            [*cli, "init", url, "--world-size", "1", "--global-batch", "1"], env=env, capture_output=True, text=True, timeout=120
+            [*cli, "init", url, "--world-size", "1", "--global-batch", "1"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         if init.returncode == 0:
             break
-        print(f"  lakestream init failed (attempt {attempt + 1}): {init.stderr.strip()[-300:]}", file=sys.stderr, flush=True)
+        print(
+            f"  lakestream init failed (attempt {attempt + 1}): {init.stderr.strip()[-300:]}",
+            file=sys.stderr,
+            flush=True,
+        )
         time.sleep(2)
     else:
         raise RuntimeError(f"lakestream init failed 3 times: {init.stderr.strip()[-300:]}")
@@ -474,7 +486,11 @@ def run_s3(s3: SeaweedS3, bucket: str, policy: str, n: int, samples: int, grace:
             *cli, "produce", url, "--producer-id", f"p{k:02d}", "--synthetic", str(samples),
             "--sample-size", str(SAMPLE_BYTES), "--rate", str(RATE), "--commit-policy", policy, "--stats-json",
         ]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+            )
+        )
     deadline = t0 + samples / RATE + grace
     figures: list[dict[str, Any] | None] = []
     killed = 0
@@ -493,7 +509,7 @@ def run_s3(s3: SeaweedS3, bucket: str, policy: str, n: int, samples: int, grace:
             if line.startswith("{"):
                 fig = json.loads(line)
         if fig is None:
-            errors.append(f"exit {proc.returncode}: {err.strip().splitlines()[-1:] }")
+            errors.append(f"exit {proc.returncode}: {err.strip().splitlines()[-1:]}")
         figures.append(fig)
     wall = time.perf_counter() - t0
 
@@ -537,7 +553,9 @@ def run_s3(s3: SeaweedS3, bucket: str, policy: str, n: int, samples: int, grace:
         "conflicts": conflicts,
         "attempts": attempts,
         "requests": requests,
-        "req_per_tgb": (requests / sum(f["tgbs"] for f in done)) if done and sum(f["tgbs"] for f in done) else float("nan"),
+        "req_per_tgb": (requests / sum(f["tgbs"] for f in done))
+        if done and sum(f["tgbs"] for f in done)
+        else float("nan"),
         "requests_complete": requests_known,
         "rtv_p50": _pct(rtv, 0.5),
         "rtv_p99": _pct(rtv, 0.99),
@@ -621,12 +639,28 @@ def manifest_table(results: list[dict[str, Any]]) -> str:
 
 
 def s3_table(results: list[dict[str, Any]]) -> str:
-    headers = ["policy", "N", "offered/s", "TGB/s", "frac", "commits", "req/TGB", "conflicts", "p50 s", "p99 s", "Jain", "run s", "notes"]
+    headers = [
+        "policy",
+        "N",
+        "offered/s",
+        "TGB/s",
+        "frac",
+        "commits",
+        "req/TGB",
+        "conflicts",
+        "p50 s",
+        "p99 s",
+        "Jain",
+        "run s",
+        "notes",
+    ]
     rows = []
     for r in results:
         notes = []
         if r["killed"]:
-            notes.append(f"{r['killed']}/{r['n']} killed at the bound (TGBs from the manifest, requests of finished ones only)")
+            notes.append(
+                f"{r['killed']}/{r['n']} killed at the bound (TGBs from the manifest, requests of finished ones only)"
+            )
         if r["errors"]:
             notes.append("; ".join(r["errors"])[:80])
         rows.append(
@@ -769,8 +803,12 @@ def _times(mode: dict[str, Any], n: int, a: argparse.Namespace) -> tuple[float, 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="N in {1, 16, 64}, short windows, a small SeaweedFS part (< 2 min)")
-    ap.add_argument("--parts", nargs="+", choices=["emulated", "manifest", "s3"], default=["emulated", "manifest", "s3"])
+    ap.add_argument(
+        "--quick", action="store_true", help="N in {1, 16, 64}, short windows, a small SeaweedFS part (< 2 min)"
+    )
+    ap.add_argument(
+        "--parts", nargs="+", choices=["emulated", "manifest", "s3"], default=["emulated", "manifest", "s3"]
+    )
     ap.add_argument("--policies", nargs="+", choices=POLICIES, default=POLICIES, help="emulated policies")
     ap.add_argument("--producers", nargs="+", type=int, help="emulated N (default: by mode)")
     ap.add_argument("--warmup", type=float, help="emulated warm-up seconds (default: by N)")
@@ -853,9 +891,23 @@ def main(argv: list[str] | None = None) -> int:
         )
 
         def big(pre: int) -> dict[str, Any]:
-            cfg = {"policy": "dac", "n": N_BIG, "rate": RATE, "warmup": warmup, "window": window, "seed": 2, "prepopulate": pre}
+            cfg = {
+                "policy": "dac",
+                "n": N_BIG,
+                "rate": RATE,
+                "warmup": warmup,
+                "window": window,
+                "seed": 2,
+                "prepopulate": pre,
+            }
             r = run_emulated(cfg, bound(N_BIG, warmup, window) + 90)
-            print(f"  prepopulate={pre}: " + (r.get("failed") or f"{r['tgb_per_s']:.1f} TGB/s") + f"  [{r['wall']:.1f} s]", file=sys.stderr, flush=True)
+            print(
+                f"  prepopulate={pre}: "
+                + (r.get("failed") or f"{r['tgb_per_s']:.1f} TGB/s")
+                + f"  [{r['wall']:.1f} s]",
+                file=sys.stderr,
+                flush=True,
+            )
             return r
 
         with ThreadPoolExecutor(a.jobs or (2 if a.quick else 1)) as pool:
@@ -882,7 +934,11 @@ def main(argv: list[str] | None = None) -> int:
                             print(f"  {policy:8s} N={n:3d}: failed: {e}", file=sys.stderr, flush=True)
                             s3_failed.append(f"{policy} N={n}: {type(e).__name__}: {e}"[:400])
                             continue
-                        print(f"  {policy:8s} N={n:3d}: {r['tgb_per_s']:.1f} TGB/s  [{r['wall']:.1f} s]", file=sys.stderr, flush=True)
+                        print(
+                            f"  {policy:8s} N={n:3d}: {r['tgb_per_s']:.1f} TGB/s  [{r['wall']:.1f} s]",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         s3.append(r)
                         save()
         except WeedNotFound as e:

@@ -63,12 +63,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 try:
-    from _common import format_table, machine_description, removing, temp_dir  # noqa: E402
+    from _common import format_table, machine_description, removing, temp_dir
 except Exception:  # pragma: no cover - _common is another helper's; keep this script standalone
     import shutil
     import tempfile
@@ -137,7 +137,7 @@ def _is_mounted(path: str) -> bool:
 class Mount:
     """`lakestream mount URL MNT ...` in the foreground of a subprocess; `close()` always unmounts."""
 
-    command: list[str] = []  # --mount-cmd (experiments); default `lakestream mount`
+    command: ClassVar[list[str]] = []  # --mount-cmd (experiments); default `lakestream mount`
 
     def __init__(self, url: str, mountpoint: Path, logfile: Path, *extra: str) -> None:
         self.url, self.mountpoint, self.logfile, self.extra = url, mountpoint, logfile, extra
@@ -188,7 +188,7 @@ class Mount:
 
 
 def _close_all_mounts() -> None:
-    for m in list(_MOUNTS):
+    for m in _MOUNTS:
         try:
             m.close()
         except Exception as e:  # keep going: every mount must go
@@ -236,7 +236,7 @@ def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     s = sorted(values)
-    k = max(0, min(len(s) - 1, int(round(q / 100 * len(s) + 0.5)) - 1))
+    k = max(0, min(len(s) - 1, round(q / 100 * len(s) + 0.5) - 1))
     return s[k]
 
 
@@ -335,8 +335,10 @@ def bench_large(root: Path, a: argparse.Namespace, rows: list[list[str]], verdic
                     base.append(gbps(size, timed_read(local, buf)[1]))
                     if shm is not None:
                         shm_base.append(gbps(size, timed_read(shm, buf)[1]))
-                log(f"large step {i}: cold {cold[-1]:.2f} GB/s (open {t_open * 1000:.0f} ms), "
-                    f"warm {warm2[-1]:.2f}/{warm[-2]:.2f}/{warm[-1]:.2f}, local {base[-1]:.2f}")
+                log(
+                    f"large step {i}: cold {cold[-1]:.2f} GB/s (open {t_open * 1000:.0f} ms), "
+                    f"warm {warm2[-1]:.2f}/{warm[-2]:.2f}/{warm[-1]:.2f}, local {base[-1]:.2f}"
+                )
             for i in range(n_cold, n_cold + n_disk):
                 path = d / f"{i:012d}" / f"big{i:04d}.bin"
                 if not drop_caches():
@@ -357,21 +359,41 @@ def bench_large(root: Path, a: argparse.Namespace, rows: list[list[str]], verdic
     warm_ok = w2 / b >= WARM_RATIO_TARGET
     rows.append([f"cold read (mount cold, segment page-cached), median of {n_cold}", f"{c:.2f} GB/s", f"{b:.2f} GB/s", ratio(c / b),
                  f">= {COLD_GBPS_TARGET:g} GB/s and >= {COLD_RATIO_TARGET:g}x", yes(cold_ok)])  # fmt: skip
-    rows.append([f"  of which open() (lookup: fetch + CRC + index of the slice)", fmt_ms(statistics.median(opens)), "", "", "", ""])
+    rows.append(
+        [
+            "  of which open() (lookup: fetch + CRC + index of the slice)",
+            fmt_ms(statistics.median(opens)),
+            "",
+            "",
+            "",
+            "",
+        ]
+    )
     rows.append([f"  cold read, best / worst of {n_cold}", f"{max(cold):.2f} / {min(cold):.2f} GB/s", "",
                  f"{ratio(max(cold) / b)} / {ratio(min(cold) / b)}", "", ""])  # fmt: skip
     if disk:
         db = statistics.median(disk_base)
         dc = statistics.median(disk)
-        rows.append([f"cold read, disk (drop_caches before), median of {len(disk)}", f"{dc:.2f} GB/s", f"{db:.2f} GB/s (disk)", ratio(dc / db), "info", ""])
+        rows.append(
+            [
+                f"cold read, disk (drop_caches before), median of {len(disk)}",
+                f"{dc:.2f} GB/s",
+                f"{db:.2f} GB/s (disk)",
+                ratio(dc / db),
+                "info",
+                "",
+            ]
+        )
     else:
-        rows.append(["cold read, disk (drop_caches)", "skipped" if a.no_drop_caches else "not permitted", "", "", "", ""])
+        rows.append(
+            ["cold read, disk (drop_caches)", "skipped" if a.no_drop_caches else "not permitted", "", "", "", ""]
+        )
     rows.append([f"warm read = 2nd read (kernel page cache), median of {len(warm2)}", f"{w2:.2f} GB/s", f"{b:.2f} GB/s",
                  ratio(w2 / b), f">= {WARM_RATIO_TARGET:g}x local", yes(warm_ok)])  # fmt: skip
     rows.append([f"  3rd and 4th reads, median of {len(warm)}", f"{w:.2f} GB/s", f"{b:.2f} GB/s", ratio(w / b), "", ""])
     if shm_base:
         sb = statistics.median(shm_base)
-        rows.append([f"  for reference: local file on tmpfs (4 KiB pages, cached)", f"2nd {w2:.2f} / 3rd+ {w:.2f} GB/s",
+        rows.append(["  for reference: local file on tmpfs (4 KiB pages, cached)", f"2nd {w2:.2f} / 3rd+ {w:.2f} GB/s",
                      f"{sb:.2f} GB/s (tmpfs)", f"{w2 / sb:.2f} / {w / sb:.2f}", "info", ""])  # fmt: skip
     rows.append([f"mount process CPU while idle ({a.idle_seconds:g} s, nothing to read or commit)",
                  f"{idle_cpu * 100:.0f}% of a core", "", "", "info", ""])  # fmt: skip
@@ -439,9 +461,27 @@ def bench_small(root: Path, a: argparse.Namespace, rows: list[list[str]], verdic
     rows.append([f"4 KiB open+read+close p50 / p99, cold (first pass, {n} files)",
                  f"{fmt_us(pct(cold, 50))} / {fmt_us(pct(cold, 99))}", f"{fmt_us(bp50)} / {fmt_us(bp99)}",
                  f"{pct(cold, 50) / bp50:.0f}x / {pct(cold, 99) / bp99:.0f}x", "report", ""])  # fmt: skip
-    rows.append([f"  cold, first file of a step (slice fetch), median of {n_steps}", fmt_us(statistics.median(first)), "", "", "", ""])
-    rows.append([f"  cold p50, files 1-100 vs 900-999 of a step", f"{fmt_us(pct(head, 50))} vs {fmt_us(pct(tail, 50))}", "", "", "", ""])
-    rows.append([f"4 KiB open+read+close p50 / p99, warm (second pass)",
+    rows.append(
+        [
+            f"  cold, first file of a step (slice fetch), median of {n_steps}",
+            fmt_us(statistics.median(first)),
+            "",
+            "",
+            "",
+            "",
+        ]
+    )
+    rows.append(
+        [
+            "  cold p50, files 1-100 vs 900-999 of a step",
+            f"{fmt_us(pct(head, 50))} vs {fmt_us(pct(tail, 50))}",
+            "",
+            "",
+            "",
+            "",
+        ]
+    )
+    rows.append(["4 KiB open+read+close p50 / p99, warm (second pass)",
                  f"{fmt_us(pct(warm, 50))} / {fmt_us(pct(warm, 99))}", f"{fmt_us(bp50)} / {fmt_us(bp99)}",
                  f"{pct(warm, 50) / bp50:.0f}x / {pct(warm, 99) / bp99:.0f}x", "report", ""])  # fmt: skip
 
@@ -567,7 +607,9 @@ def bench_latency(root: Path, a: argparse.Namespace, rows: list[list[str]], verd
     with open(root / "latency.csv", "w") as f:  # raw figures (kept with --keep)
         f.write("step,gap_ms,put_ns,record_ns,flushed_ns,open_ns,first_byte_ns\n")
         for s in range(total):
-            f.write(f"{s},{gaps[s // per_gap]:g},{put_at[s]},{record_at[s]},{flushed_at[s]},{opened_at[s]},{first_byte[s]}\n")
+            f.write(
+                f"{s},{gaps[s // per_gap]:g},{put_at[s]},{record_at[s]},{flushed_at[s]},{opened_at[s]},{first_byte[s]}\n"
+            )
     all_ok = True
     for gi, gap in enumerate(gaps):
         steps = range(gi * per_gap, (gi + 1) * per_gap)
@@ -582,7 +624,7 @@ def bench_latency(root: Path, a: argparse.Namespace, rows: list[list[str]], verd
         rows.append([f"commit -> first byte p50 / p99, {gap:g} ms between commits ({per_gap})",
                      f"{fmt_ms(p50)} / {fmt_ms(pct(from_rec, 99))}", "", "",
                      f"p50 < {LATENCY_P50_TARGET_MS:g} ms", yes(ok)])  # fmt: skip
-        rows.append([f"  p50 from flush() return / from put()",
+        rows.append(["  p50 from flush() return / from put()",
                      f"{fmt_ms(pct(from_flush, 50))} / {fmt_ms(pct(from_put, 50))}", "", "", "", ""])  # fmt: skip
         rows.append([f"  reader already waiting at the commit: {len(waiting)}/{per_gap}; their p50 / p99",
                      f"{fmt_ms(pct(from_rec_w, 50))} / {fmt_ms(pct(from_rec_w, 99))}" if waiting else "-", "", "", "", ""])  # fmt: skip
@@ -599,17 +641,33 @@ def main() -> int:
     ap.add_argument("--buffer", type=int, default=1 * MiB, help="read buffer bytes (default 1 MiB)")
     ap.add_argument("--only", default="large,small,latency", help="comma list of parts to run")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (mount logs)")
-    ap.add_argument("--gaps", dest="gaps_opt", metavar="MS,MS", help="ms between commits in part 3, comma list (default 0,100 quick; 0,25,100,400 full)")
+    ap.add_argument(
+        "--gaps",
+        dest="gaps_opt",
+        metavar="MS,MS",
+        help="ms between commits in part 3, comma list (default 0,100 quick; 0,25,100,400 full)",
+    )
     ap.add_argument("--commits", type=int, help="commits per gap in part 3 (default 15 quick, 60 full)")
-    ap.add_argument("--no-drop-caches", action="store_true", help="skip the disk-cold rows (drop_caches is system-wide)")
-    ap.add_argument("--mount-cmd", default="", help="experiments: command prefix replacing `lakestream mount` (URL MNT appended)")
+    ap.add_argument(
+        "--no-drop-caches", action="store_true", help="skip the disk-cold rows (drop_caches is system-wide)"
+    )
+    ap.add_argument(
+        "--mount-cmd", default="", help="experiments: command prefix replacing `lakestream mount` (URL MNT appended)"
+    )
     a = ap.parse_args()
     a.idle_seconds = 3.0
     Mount.command = shlex.split(a.mount_cmd)
     if a.quick:
         a.large_mib, a.large_steps, a.disk_steps, a.small_steps, a.latency_commits, a.gaps = 64, 3, 1, 2, 15, "0,100"
     else:
-        a.large_mib, a.large_steps, a.disk_steps, a.small_steps, a.latency_commits, a.gaps = 256, 8, 2, 10, 60, "0,25,100,400"
+        a.large_mib, a.large_steps, a.disk_steps, a.small_steps, a.latency_commits, a.gaps = (
+            256,
+            8,
+            2,
+            10,
+            60,
+            "0,25,100,400",
+        )
     a.gaps = a.gaps_opt or a.gaps
     a.latency_commits = a.commits or a.latency_commits
 
@@ -620,7 +678,10 @@ def main() -> int:
     rows: list[list[str]] = []
     verdicts: list[tuple[str, bool]] = []
     root = temp_dir("lakestream-bench-mount-")
-    print(f"mount benchmark{' (--quick: ' + str(a.large_mib) + ' MiB slices, fewer steps)' if a.quick else ''}", flush=True)
+    print(
+        f"mount benchmark{' (--quick: ' + str(a.large_mib) + ' MiB slices, fewer steps)' if a.quick else ''}",
+        flush=True,
+    )
     with removing(root) if not a.keep else _noop(root):
         try:
             parts = a.only.split(",")
@@ -634,11 +695,17 @@ def main() -> int:
             _close_all_mounts()  # before the temp dir goes
     print()
     print(f"machine: {machine_description()}")
-    print(f"load average (1/5/15 min) at start {' '.join(load0)}, at end {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
+    print(
+        f"load average (1/5/15 min) at start {' '.join(load0)}, at end {' '.join(Path('/proc/loadavg').read_text().split()[:3])}"
+    )
     print(f"command: {shlex.join(['.venv/bin/python', *sys.argv])}; mount: {shlex.join(Mount.command or ['lakestream', 'mount'])} "
           f"URL MNT (defaults); stream: file:// (world size 1); reads of {a.buffer // KiB} KiB; 1 GB = 10^9 B")  # fmt: skip
     print()
-    print(format_table(["measurement", "through the mount", "local file", "mount / local", "target", "met"], rows, "lrrrll"))
+    print(
+        format_table(
+            ["measurement", "through the mount", "local file", "mount / local", "target", "met"], rows, "lrrrll"
+        )
+    )
     print()
     for what, ok in verdicts:
         print(f"{'MET    ' if ok else 'NOT MET'}  {what}")

@@ -207,7 +207,9 @@ def main() -> int:
     t.add_argument("--lr", type=float, default=0.05)
     t.add_argument("--resume", action="store_true", help="restore the newest trainer checkpoint in --ckpt-dir")
     t.add_argument("--kill-at", type=int, default=None, metavar="STEP", help="crash (os._exit) when STEP arrives")
-    t.add_argument("--losses", default=None, help="rank 0 appends 'step loss.hex()' lines (default CKPT_DIR/losses.txt)")
+    t.add_argument(
+        "--losses", default=None, help="rank 0 appends 'step loss.hex()' lines (default CKPT_DIR/losses.txt)"
+    )
     t.add_argument("--no-produce", dest="produce", action="store_false", help="do not start the producer")
     p = sub.add_parser("produce", help="produce the synthetic samples 0..N-1 (resumable)")
     p.add_argument("url")

@@ -53,15 +53,16 @@ __version__ = "0.1.0"
 __all__ = [
     "AccessDenied",
     "BackoffPolicy",
-    "CommitPolicy",
-    "DacPolicy",
-    "EagerPolicy",
-    "IntervalPolicy",
     "BucketNotFound",
+    "CommitPolicy",
     "Config",
     "ConfigMismatch",
     "CorruptData",
+    "DacPolicy",
+    "EagerPolicy",
     "FieldRef",
+    "GcReport",
+    "IntervalPolicy",
     "InvalidSample",
     "LakestreamError",
     "ObjectNotFound",
@@ -71,8 +72,8 @@ __all__ = [
     "ProducerStats",
     "RankBatch",
     "RawSlice",
-    "SegmentLost",
     "Reader",
+    "SegmentLost",
     "State",
     "Step",
     "StepUnavailable",
@@ -80,7 +81,6 @@ __all__ = [
     "StoreFull",
     "StoreUnavailable",
     "StreamNotFound",
-    "GcReport",
     "VerifyReport",
     "checkpoint",
     "create",
@@ -129,7 +129,10 @@ async def open_producer(target: Target, producer_id: str, **options: Any) -> Asy
 
     Leaving the block normally commits everything put, including a final partial TGB; leaving it
     with an exception abandons what was not committed yet. `producer.cursor` is where to resume
-    the source. Options: cost (a function of the sample: balance ranks by it), max_inflight_bytes,
+    the source. Options: cost (a function of the sample: balance ranks by it), max_inflight_bytes
+    (bytes of sealed TGBs not committed yet; one TGB is always let through, so a producer holds at
+    most the open global batch plus the larger of this and one TGB: the stream's shape limits,
+    global_batch x max_sample_bytes, bound the rest),
     policy (`"dac"` (default), `"eager"`, `"backoff"`, `"interval"` or a CommitPolicy instance),
     gc_interval (seconds: also run `gc` in the background).
     """
@@ -138,7 +141,9 @@ async def open_producer(target: Target, producer_id: str, **options: Any) -> Asy
 
 
 @asynccontextmanager
-async def open_reader(target: Target, rank: int | None, world_size: int | None = None, **options: Any) -> AsyncIterator[Reader]:
+async def open_reader(
+    target: Target, rank: int | None, world_size: int | None = None, **options: Any
+) -> AsyncIterator[Reader]:
     """A reader of `rank`'s slices (rank None: any rank, with `fetch_raw`).
 
     Raises StreamNotFound, ConfigMismatch (world size differs), ValueError (rank out of range).

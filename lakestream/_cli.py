@@ -16,6 +16,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import anyio
@@ -152,10 +153,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", action="store_true",
                    help="--from-dir: store .json as JSON values, .txt as text, .npy as arrays, .cls as integers "
                         "(WebDataset-style) instead of the files' bytes")  # fmt: skip
-    p.add_argument("--follow-symlinks", action="store_true",
-                   help="--from-dir: also read symbolic links that point outside DIR")
-    p.add_argument("--drop-last", action="store_true",
-                   help="hold back a final partial global batch instead of committing a short last step")
+    p.add_argument(
+        "--follow-symlinks", action="store_true", help="--from-dir: also read symbolic links that point outside DIR"
+    )
+    p.add_argument(
+        "--drop-last",
+        action="store_true",
+        help="hold back a final partial global batch instead of committing a short last step",
+    )
     p.add_argument("--sample-size", type=int, default=64 << 10, help="synthetic sample bytes")
     p.add_argument("--work-ms", type=float, default=0.0, help="synthetic CPU work per sample, milliseconds")
     p.add_argument("--max-inflight-bytes", type=int, default=256 << 20,
@@ -236,7 +241,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prefetch", type=int, default=2, help="committed steps to fetch ahead per rank")
     p.add_argument("--cache-size", type=int, default=1 << 30, help="slice cache bytes")
     p.add_argument("--wait", type=float, default=60.0, help="seconds a lookup waits for a step to commit")
-    p.add_argument("--nonempty", action="store_true", help="mount over a directory that is not empty (hiding its files)")
+    p.add_argument(
+        "--nonempty", action="store_true", help="mount over a directory that is not empty (hiding its files)"
+    )
 
     p = sub.add_parser("umount", help="unmount a lakestream mount")
     p.add_argument("mountpoint", help="where the stream is mounted")
@@ -547,7 +554,7 @@ async def _demo(a: argparse.Namespace) -> int:
         return await run_demo(d, a)
 
 
-def _mount_module():  # type: ignore[no-untyped-def]
+def _mount_module() -> ModuleType:
     try:
         import lakestream_mount
     except ImportError as e:
@@ -591,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BaseExceptionGroup as group:  # the library unwraps these; a last line of defence
         return _fail(args, _first_error(group))
-    except Exception as e:  # noqa: BLE001 - the last line of defence: one line, never a traceback
+    except Exception as e:
         return _fail(args, e)
 
 

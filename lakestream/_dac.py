@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from typing import cast
 
 __all__ = [
     "AttemptOutcome",
@@ -134,7 +135,7 @@ class BackoffPolicy(CommitPolicy):
     group_cap = 1
 
     def conflict_delay(self, conflicts: int) -> float:
-        d = min(self.cap, self.base * 2 ** (conflicts - 1))
+        d = min(self.cap, self.base * 2.0 ** min(conflicts - 1, 64))
         return d * (1 + self.rng.uniform(-self.jitter, self.jitter))
 
 
@@ -179,7 +180,9 @@ class DacPolicy(CommitPolicy):
         if not 0 < self.target_conflicts < 1:
             raise ValueError(f"target_conflicts must be in (0, 1), got {self.target_conflicts}")
         if not 0 < self.min_multiplier <= 1 <= self.max_multiplier:
-            raise ValueError(f"need 0 < min_multiplier <= 1 <= max_multiplier, got {self.min_multiplier}, {self.max_multiplier}")
+            raise ValueError(
+                f"need 0 < min_multiplier <= 1 <= max_multiplier, got {self.min_multiplier}, {self.max_multiplier}"
+            )
         if not 0 < self.gain <= 1:
             raise ValueError(f"gain must be in (0, 1], got {self.gain}")
         if self.max_commit_delay < 0:
@@ -234,7 +237,7 @@ class DacPolicy(CommitPolicy):
         window of 2, then 4 commit latencies. No further: the pace (m) is what answers lasting
         contention; a per-commit backoff that kept doubling would only make this commit's TGBs
         the tail of the latency distribution."""
-        return self.rng.uniform(0, 1) * self.latency * min(self._active, 4, 2**conflicts)
+        return self.rng.uniform(0, 1) * self.latency * min(self._active, 4, 1 << min(conflicts, 8))
 
     def observe(self, outcome: AttemptOutcome) -> None:
         if outcome.latency > 0:
@@ -255,4 +258,4 @@ def make_policy(policy: str | CommitPolicy | None, rng: random.Random | None = N
     except KeyError:
         raise ValueError(f"unknown commit policy {policy!r}: choose one of {', '.join(POLICIES)}") from None
     takes_rng = cls in (DacPolicy, BackoffPolicy)
-    return cls(rng=rng) if rng is not None and takes_rng else cls()  # type: ignore[call-arg]
+    return cast(CommitPolicy, cls(rng=rng) if rng is not None and takes_rng else cls())

@@ -281,14 +281,14 @@ async def gc(
     # 3. log versions and snapshots below a snapshot committed more than `lease` ago
     listed = await retry(lambda: store.list(SNAPSHOT_PREFIX))
     snapshots = sorted(v for k in listed if (v := _version_of(k)) is not None)
-    if not snapshots or snapshots[-1] < m.state.version - m.state.config.snapshot_every // 2:  # type: ignore[union-attr]
-        if not dry_run:
-            data = m.state.copy().to_json()
-            try:
-                await retry(lambda: m.write_snapshot(data, m.state.version))
-                snapshots.append(m.state.version)
-            except StoreFull:
-                pass  # a snapshot saves readers time, never data: log clean-up waits for the next run
+    stale = not snapshots or snapshots[-1] < m.state.version - m.state.config.snapshot_every // 2  # type: ignore[union-attr]
+    if stale and not dry_run:
+        data = m.state.copy().to_json()
+        try:
+            await retry(lambda: m.write_snapshot(data, m.state.version))
+            snapshots.append(m.state.version)
+        except StoreFull:
+            pass  # a snapshot saves readers time, never data: log clean-up waits for the next run
     horizon = None
     for v in reversed(snapshots):
         try:
@@ -300,8 +300,8 @@ async def gc(
             break
     try:
         # never delete the log below a snapshot that fails its checks, nor point the hint at one
-        for v in sorted({horizon, snapshots[-1]}) if horizon is not None else ():
-            await m.read_snapshot(v)
+        for kept in sorted({horizon, snapshots[-1]}) if horizon is not None else ():
+            await m.read_snapshot(kept)
     except ObjectNotFound:
         horizon = None  # deleted meanwhile (by another gc): the clean-up is its business
     except CorruptData as e:
@@ -309,7 +309,9 @@ async def gc(
     if horizon is not None:
         old_snaps = [f"{SNAPSHOT_PREFIX}{v:020d}.json" for v in snapshots if v < horizon]
         logs = sorted(
-            (v for k in await retry(lambda: store.list(LOG_PREFIX)) if (v := _version_of(k)) is not None and 0 < v < horizon)
+            v
+            for k in await retry(lambda: store.list(LOG_PREFIX))
+            if (v := _version_of(k)) is not None and 0 < v < horizon
         )
         report.snapshots_deleted, report.log_versions_deleted = len(old_snaps), len(logs)
         if not dry_run:

@@ -66,7 +66,7 @@ from ._retry import retry
 from ._store import ObjectStore
 from ._tasks import task_group
 
-__all__ = ["LOG_PREFIX", "Manifest", "SNAPSHOT_PREFIX", "create_stream", "log_key", "snapshot_key"]
+__all__ = ["LOG_PREFIX", "SNAPSHOT_PREFIX", "Manifest", "create_stream", "log_key", "snapshot_key"]
 
 LOG_PREFIX = "_lakestream/log/"
 SNAPSHOT_PREFIX = "_lakestream/snapshots/"

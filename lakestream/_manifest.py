@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -281,16 +281,18 @@ class State:
             return
         _need(self.config is not None, "stream has no valid create record")
         if kind == "register":
-            pid = r.get("producer")
+            pid: Any = r.get("producer")  # raw JSON values: each is checked before it is used
             _need(isinstance(pid, str) and bool(_PRODUCER_ID.match(pid)), f"register: bad producer id {pid!r}")
             prev = self.producers.get(pid)
             want = (prev.epoch if prev else 0) + 1
-            _need(_int(r.get("epoch")) and r["epoch"] == want, f"register {pid}: epoch {r.get('epoch')!r} is not {want}")
+            _need(
+                _int(r.get("epoch")) and r["epoch"] == want, f"register {pid}: epoch {r.get('epoch')!r} is not {want}"
+            )
             _need(isinstance(r.get("token"), str), f"register {pid}: token must be a string")
         elif kind == "commit":
             self._validate_commit(r)
         elif kind == "checkpoint":
-            cid, step = r.get("id"), r.get("step")
+            cid, step = r.get("id"), cast(Any, r.get("step"))
             _need(isinstance(cid, str) and 0 < len(cid) <= 256, f"checkpoint: bad id {cid!r}")
             _need(_int(step), f"checkpoint {cid}: bad step {step!r}")
             _need(self.first_step <= step <= self.head, f"checkpoint {cid}: step {step} is not retained")
@@ -302,12 +304,12 @@ class State:
             cid = r.get("id")
             _need(any(c.id == cid for c in self.checkpoints), f"release: no checkpoint {cid!r}")
         elif kind == "reclaim":
-            below = r.get("below")
+            below: Any = r.get("below")
             _need(_int(below), f"reclaim: bad step {below!r}")
             _need(below > self.first_step, f"reclaim: steps below {below} are already gone")
             _need(below <= self.watermark, f"reclaim: step {below} is above the watermark {self.watermark}")
         elif kind == "rewind":
-            to = r.get("to_step")
+            to: Any = r.get("to_step")
             _need(_int(to, -1), f"rewind: bad step {to!r}")
             _need(self.first_step - 1 <= to <= self.head, f"rewind: step {to} is not retained")
         else:
@@ -322,7 +324,7 @@ class State:
         _need(_int(epoch) and epoch == p.epoch, f"commit {pid}: epoch {epoch!r} is fenced by {p.epoch}")
         _need(_int(seq) and seq == p.seq + 1, f"commit {pid}: seq {seq!r} is not the next ({p.seq + 1})")
         _need("lost" not in r or _int(r["lost"]), f"commit {pid}: lost must be a count, not {r.get('lost')!r}")
-        tgbs = r.get("tgbs")
+        tgbs: Any = r.get("tgbs")
         _need(isinstance(tgbs, list) and len(tgbs) > 0, f"commit {pid}: tgbs must be a non-empty list")
         assert self.config is not None
         w = self.config.world_size
@@ -359,9 +361,15 @@ class State:
             for i, t in enumerate(r["tgbs"]):
                 self.steps.append(
                     Step(
-                        step=self.head + 1, version=version, segment=t["segment"], producer=r["producer"],
-                        epoch=r["epoch"], seq=r["seq"] + i, ranks=tuple(RankSlice(*x) for x in t["ranks"]),
-                        cursor=t.get("cursor"), ts=ts,
+                        step=self.head + 1,
+                        version=version,
+                        segment=t["segment"],
+                        producer=r["producer"],
+                        epoch=r["epoch"],
+                        seq=r["seq"] + i,
+                        ranks=tuple(RankSlice(*x) for x in t["ranks"]),
+                        cursor=t.get("cursor"),
+                        ts=ts,
                     )  # fmt: skip
                 )
                 p.cursor = t.get("cursor")
@@ -393,10 +401,10 @@ class State:
             for s in self.steps:
                 last[s.producer] = s
             for pid, p in self.producers.items():
-                s = last.get(pid)
+                newest = last.get(pid)
                 p.epoch += 1
                 p.token = ""
-                p.cursor = s.cursor if s else p.base_cursor
+                p.cursor = newest.cursor if newest else p.base_cursor
                 # Sequence numbers keep rising so that discarded TGBs are never mistaken for new ones.
 
     def copy(self) -> State:
@@ -574,14 +582,14 @@ def _state_from_dict(d: dict[str, Any]) -> State:
             raise _bad(f"step {n}: version {sv!r:.40} is not in {last_version}..{version}")
         if not (isinstance(segment, str) and segment.startswith("segments/")):
             raise _bad(f"step {n}: bad segment key {segment!r:.200}")
-        p = producers.get(pid) if isinstance(pid, str) else None
-        if p is None:
+        owner = producers.get(pid) if isinstance(pid, str) else None
+        if owner is None:
             raise _bad(f"step {n}: producer {pid!r:.140} is not among the producers")
-        if not (_int(epoch, 1) and epoch <= p.epoch):
-            raise _bad(f"step {n}: epoch {epoch!r:.40} is not in 1..{p.epoch}")
+        if not (_int(epoch, 1) and epoch <= owner.epoch):
+            raise _bad(f"step {n}: epoch {epoch!r:.40} is not in 1..{owner.epoch}")
         low = last_seq.get(pid, -1)
-        if not (_int(seq) and low < seq <= p.seq):
-            raise _bad(f"step {n}: seq {seq!r:.40} is not in {low + 1}..{p.seq} of producer {pid}")
+        if not (_int(seq) and low < seq <= owner.seq):
+            raise _bad(f"step {n}: seq {seq!r:.40} is not in {low + 1}..{owner.seq} of producer {pid}")
         if type(ts) is not float:
             raise _bad(f"step {n}: ts {ts!r:.40} is not a number")
         if not (isinstance(ranks, list) and len(ranks) == world):

@@ -29,8 +29,8 @@ from ._batching import assign_ranks
 from ._dac import AttemptOutcome, CommitPolicy, Observation, make_policy
 from ._errors import InvalidSample, ObjectNotFound, ProducerFenced, SegmentLost
 from ._log import Manifest
-from ._retry import retry
 from ._manifest import State
+from ._retry import retry
 from ._segment import EncodedSample, dump_json, encode_sample, encode_segment
 from ._store import ObjectStore
 from ._tasks import cancel_task_group, enter_task_group
@@ -299,7 +299,9 @@ class Producer:
                     await self._wait_changed()
                     continue
                 active, lost, commits = self._activity()
-                obs = Observation(len(ready), self._clock() - ready[0].sealed_at, active, self._flushing > 0, lost, commits)
+                obs = Observation(
+                    len(ready), self._clock() - ready[0].sealed_at, active, self._flushing > 0, lost, commits
+                )
                 decision = self._policy.decide(obs)
                 deadline = self._clock() + decision.delay
                 while not self._flushing and (left := deadline - self._clock()) > 0:

@@ -214,6 +214,7 @@ class Reader:
             entry = self.state.step(n)
             if entry is None:
                 break
+            assert self.rank is not None
             size = entry.ranks[self.rank].length
             if (n, entry.version) not in self._fetches and self._inflight_bytes + size > self.max_prefetch_bytes:
                 break
@@ -224,6 +225,7 @@ class Reader:
         if fetch is None:
             if self._tg is None:
                 raise RuntimeError("reader is closed")
+            assert self.rank is not None, "a reader opened with rank=None reads with fetch_raw only"
             fetch = self._fetches[(entry.step, entry.version)] = _Fetch(entry.ranks[self.rank].length)
             self._inflight_bytes += fetch.nbytes
             self._tg.start_soon(self._fetch, entry, fetch)
@@ -277,7 +279,9 @@ class Reader:
             if self.state.first_step > entry.step or entry.step < self.state.watermark:  # GC on a full store
                 raise StepUnavailable(f"{self.url}: step {entry.step} was reclaimed while being read") from None
             if self.state.step(entry.step) != entry:
-                raise StepUnavailable(f"{self.url}: step {entry.step} was discarded by a rewind while being read") from None
+                raise StepUnavailable(
+                    f"{self.url}: step {entry.step} was discarded by a rewind while being read"
+                ) from None
             raise CorruptData(f"{self._where(entry, rank)}: the segment of a committed step is missing") from None
         if len(data) != r.length:  # the store returns only what exists: a lying length costs nothing
             raise CorruptData(

@@ -7,7 +7,7 @@ import hashlib
 import io
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +114,7 @@ def _npy(data: bytes) -> np.ndarray:
     return np.lib.format.read_array(io.BytesIO(data), allow_pickle=False)
 
 
-DECODERS = {
+DECODERS: dict[str, Callable[[bytes], Any]] = {
     "json": orjson.loads,
     "txt": lambda b: b.decode("utf-8"),
     "npy": _npy,

@@ -91,7 +91,9 @@ async def _check_step(
 async def _check_log_tail(store: ObjectStore, state: State, report: VerifyReport) -> None:
     """Log versions past the tail sit behind a hole: every reader stops at the first missing one."""
     beyond = sorted(
-        v for k in await retry(lambda: store.list(LOG_PREFIX)) if (v := _version_of(k)) is not None and v > state.version
+        v
+        for k in await retry(lambda: store.list(LOG_PREFIX))
+        if (v := _version_of(k)) is not None and v > state.version
     )
     if beyond:
         report.problems.append(
@@ -104,7 +106,9 @@ async def verify_state(store: ObjectStore, state: State, *, concurrency: int = 1
     """Check the manifest's invariants and read back every retained segment."""
     report = VerifyReport(store.url, state.version, state.first_step, state.head, len(state.steps))
     for version, why in state.rejected:
-        report.problems.append(f"{store.url}: log version {version} is malformed or invalid (applied as a no-op): {why}")
+        report.problems.append(
+            f"{store.url}: log version {version} is malformed or invalid (applied as a no-op): {why}"
+        )
     await _check_log_tail(store, state, report)
     if state.config is None:
         report.problems.append(f"{store.url}: no valid create record")

@@ -39,7 +39,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -170,7 +170,7 @@ async def _anext(agen: AsyncIterator[Any]) -> Any:
         return _DONE
 
 
-async def _owned_steps(reader: lakestream.Reader, start: int, stop: int | None, stride: int) -> AsyncIterator[Any]:
+async def _owned_steps(reader: lakestream.Reader, start: int, stop: int | None, stride: int) -> AsyncGenerator[Any]:
     """Steps start, start+stride, … below stop; like `Reader.steps` (which prefetches) for stride 1."""
     if stride == 1:
         async for batch in reader.steps(start, stop):
@@ -433,7 +433,8 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
         path = os.path.join(self.mountpoint, STATUS_NAME)
         try:
             with open(path, "rb") as f:
-                return orjson.loads(f.read())
+                status: dict[str, Any] = orjson.loads(f.read())
+                return status
         except FileNotFoundError:
             raise FileNotFoundError(f"{path}: not found: is a lakestream mount serving at {self.mountpoint}?") from None
 
@@ -441,7 +442,9 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
         status = self.status()
         w = status.get("world_size")
         if self.world_size is not None and w is not None and w != self.world_size:
-            raise lakestream.ConfigMismatch(f"{self.mountpoint}: expected world size {self.world_size}, the stream has {w}")
+            raise lakestream.ConfigMismatch(
+                f"{self.mountpoint}: expected world size {self.world_size}, the stream has {w}"
+            )
         if self.rank not in status.get("ranks", [self.rank]):
             served = status.get("ranks")
             raise ValueError(f"{self.mountpoint}: the mount does not serve rank {self.rank} (it serves {served})")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cliutil import LAKESTREAM, cli_env
+
 from lakestream_mount._mounts import mounts_at
 
 __all__ = ["MountProc", "PathDataset", "is_mounted", "read_tree", "step_name"]
@@ -74,7 +75,9 @@ class MountProc:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise AssertionError(f"lakestream mount exited with {self.proc.returncode} before serving:\n{self.log()}")
+                raise AssertionError(
+                    f"lakestream mount exited with {self.proc.returncode} before serving:\n{self.log()}"
+                )
             try:
                 self.status()
                 return self

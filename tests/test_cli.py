@@ -183,7 +183,7 @@ def test_read_to_a_future_step_waits_for_it(produced: tuple[str, dict[str, bytes
         assert reader.poll() is None, "the reader did not wait for step 6"
         more = make_source_dir(tmp_path / "src-b", "b", 16, random.Random(2))
         run_cli("produce", url, "--producer-id", "b", "--from-dir", tmp_path / "src-b", check=True)
-        out, err = reader.communicate(timeout=60)
+        _, err = reader.communicate(timeout=60)
     finally:
         if reader.poll() is None:
             reader.kill()
@@ -620,7 +620,11 @@ def test_decode_turns_webdataset_extensions_into_values(tmp_path: Path) -> None:
 
     a, b = anyio.run(read)
     assert (a["json"], a["txt"], a["cls"], a["seg.json"], a["jpg"]) == (
-        {"x": [1, 2.5], "y": None}, "héllo\n", 7, [1], b"\xff\xd8 not decoded"
+        {"x": [1, 2.5], "y": None},
+        "héllo\n",
+        7,
+        [1],
+        b"\xff\xd8 not decoded",
     )
     assert a["npy"].dtype == np.float32 and (a["npy"] == array).all()
     assert b == {"__key__": "b", "txt": "plain"}

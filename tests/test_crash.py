@@ -277,7 +277,9 @@ def test_exactly_once_under_sigkill(stream: Stream, tmp_path: Path) -> None:
         assert all(k.startswith(f"s{entry.producer.rsplit('-', 1)[1]}-") for k in keys), (step, entry.producer, keys)
         order[entry.producer].extend(keys)
         consumed[entry.producer] += sum(len(b.samples[j]) - 1 for b in batches for j in range(len(b)))
-        assert cursor_position(entry.cursor) == consumed[entry.producer], f"step {step}: cursor {entry.cursor} is not past its last file"
+        assert cursor_position(entry.cursor) == consumed[entry.producer], (
+            f"step {step}: cursor {entry.cursor} is not past its last file"
+        )
     for d in drivers:
         want = sorted({name.partition(".")[0] for name in sources[d.pid]})
         assert order[d.pid] == want, f"{d.pid}: samples out of order, lost or duplicated"

@@ -102,7 +102,7 @@ async def test_a_full_disk_names_the_stream_leaves_no_temporaries_and_gc_frees_i
         pass
     finally:
         os.close(fd)
-    with pytest.raises(StoreFull, match="no space|No space"):
+    with pytest.raises(StoreFull, match=r"no space|No space"):
         await lakestream.checkpoint(url, "c1", state.head)
     # The disk is full: GC deletes the steps below the watermark first, then writes its record.
     r = run_cli("gc", url, check=True)

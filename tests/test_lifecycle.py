@@ -9,9 +9,9 @@ import pytest
 
 import lakestream
 from lakestream import ConfigMismatch, ProducerFenced, StepUnavailable
+from lakestream._dac import IntervalPolicy
 from lakestream._log import LOG_PREFIX, SNAPSHOT_PREFIX, Manifest, log_key
 from lakestream._producer import segment_key
-from lakestream._dac import IntervalPolicy
 from lakestream._store import FileStore, MemoryStore
 
 B = 4
@@ -50,7 +50,7 @@ async def test_checkpoints_retention_and_watermark(store) -> None:
     assert not await lakestream.checkpoint(store, "c1", 2)  # same id and step: no-op
     with pytest.raises(ConfigMismatch, match="'c1' is at step 2, not 3"):
         await lakestream.checkpoint(store, "c1", 3)
-    with pytest.raises(StepUnavailable, match="readable steps are 0..9"):
+    with pytest.raises(StepUnavailable, match=r"readable steps are 0\.\.9"):
         await lakestream.checkpoint(store, "c9", 10)
     await lakestream.checkpoint(store, "c2", 5)
     await lakestream.checkpoint(store, "c3", 7)  # keep 2: c1 drops out
@@ -77,7 +77,7 @@ async def test_gc_reclaims_below_the_watermark_only(store) -> None:
     assert state.first_step == 6 and state.head == 9
     assert sorted(await store.list("segments/")) == sorted(s.segment for s in state.steps)
     async with lakestream.open_reader(store, 0) as r:
-        with pytest.raises(StepUnavailable, match="step 5 was reclaimed .*watermark 6"):
+        with pytest.raises(StepUnavailable, match=r"step 5 was reclaimed .*watermark 6"):
             await r.read_step(5)
         assert [b.step async for b in r.steps(6, 10)] == [6, 7, 8, 9]
     assert (await lakestream.verify(store)).ok
@@ -212,7 +212,11 @@ async def test_a_segment_deleted_before_its_commit_is_never_committed() -> None:
         with anyio.fail_after(5):
             while len(await store.list("segments/")) < 2:
                 await anyio.sleep(0.01)
-        held = [k for k in await store.list("segments/") if k not in {s.segment for s in (await lakestream.load_state(store)).steps}]
+        held = [
+            k
+            for k in await store.list("segments/")
+            if k not in {s.segment for s in (await lakestream.load_state(store)).steps}
+        ]
         await store.delete(held)  # what GC does to an orphan older than its grace
         now[0] += 3600
         with pytest.raises(lakestream.SegmentLost, match="was deleted after 3600 s uncommitted"):

@@ -221,7 +221,7 @@ class ManifestMachine(RuleBasedStateMachine):
         step = data.draw(st.integers(lo, head))
         self.n += 1
         assert self.put({"kind": "checkpoint", "id": f"c{self.n}", "step": step}) is None
-        self.ckpts = (self.ckpts + [(f"c{self.n}", step)])[-2:]
+        self.ckpts = [*self.ckpts, (f"c{self.n}", step)][-2:]
 
     @precondition(lambda self: self.ckpts)
     @rule()

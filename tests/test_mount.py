@@ -32,10 +32,10 @@ import pytest
 from cliutil import make_source_dir, run_cli, spawn_cli, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lakestream_mount._mounts import mounts_at
 from mountutil import MountProc, PathDataset, is_mounted, read_tree, step_name
 
 import lakestream
+from lakestream_mount._mounts import mounts_at
 
 if not os.path.exists("/dev/fuse") or not os.access("/dev/fuse", os.R_OK | os.W_OK):
     pytest.skip("needs /dev/fuse", allow_module_level=True)  # pragma: no cover
@@ -83,7 +83,10 @@ async def _committed(url: str, ranks: list[int] | None = None) -> dict[tuple[int
         async with lakestream.open_reader(url, rank, raw=True) as r:
             async for batch in r.steps(state.first_step, state.head + 1):
                 out[rank, batch.step] = {
-                    f"{s['__key__']}.{name}": value for s in batch.samples for name, value in s.items() if name != "__key__"
+                    f"{s['__key__']}.{name}": value
+                    for s in batch.samples
+                    for name, value in s.items()
+                    if name != "__key__"
                 }
     return out
 
@@ -212,7 +215,7 @@ def test_readers_in_several_processes_and_a_dataloader_while_it_is_produced(tmp_
         time.sleep(0.5)
         assert not any(r.ready() for r in readers), "readers finished before anything was committed"
         producer = spawn_cli("produce", url, "--producer-id", "a", "--from-dir", tmp_path / "src")
-        out, err = producer.communicate(timeout=120)
+        _, err = producer.communicate(timeout=120)
         assert producer.returncode == 0, err
         trees = [r.get(timeout=120) for r in readers]
 
@@ -451,7 +454,9 @@ def test_latest_moves_when_steps_commit(tmp_path: Path, mounts) -> None:
     for n in range(3):
         produce(url, "p", tgb(f"t{n}", 2))
         want = step_name(n)
-        wait_until(lambda: os.path.lexists(r1 / "latest") and os.readlink(r1 / "latest") == want, 5.0, f"latest -> {want}")
+        wait_until(
+            lambda: os.path.lexists(r1 / "latest") and os.readlink(r1 / "latest") == want, 5.0, f"latest -> {want}"
+        )
         assert os.readlink(m.mountpoint / "rank-0" / "latest") == want
         assert sorted(os.listdir(r1)) == [step_name(s) for s in range(n + 1)] + ["latest"]
         with open(r1 / "latest" / "_meta.json", "rb") as f:
@@ -819,9 +824,8 @@ def test_a_corrupt_slice_reads_as_eio_and_the_mount_stays_up(tmp_path: Path, mou
 
     name = sorted(truth[1, 3])[-1]
     for _ in range(2):  # an error is not cached as good data
-        with pytest.raises(OSError) as exc:
-            with open(r1 / step_name(3) / name, "rb") as f:
-                f.read()
+        with pytest.raises(OSError) as exc, open(r1 / step_name(3) / name, "rb") as f:
+            f.read()
         assert exc.value.errno == errno.EIO, exc.value
     assert errno_of(lambda: os.listdir(r1 / step_name(3))) == errno.EIO
 
@@ -846,6 +850,7 @@ def test_inode_numbers_never_collide_for_any_shape_the_stream_accepts() -> None:
 
     world = 65536
     inodes = Inodes(RANK_BASE + 2 * world)
+
     def entry(step: int, version: int) -> lakestream.Step:
         return lakestream.Step(step, version, "s", "p", epoch=1, seq=0, ranks=(), cursor=None, ts=0.0)
 
@@ -1097,7 +1102,10 @@ def test_mount_refuses_a_mounted_or_non_empty_mount_point(tmp_path: Path, mounts
     produce(url, "p", tgb("a", 1))
     m = mounts(url)
     r = run_cli("mount", url, m.mountpoint, check=False, timeout=30)
-    assert r.stderr == f"lakestream mount: error: {m.mountpoint} is already a mount point (fuse.lakestream); unmount it first\n"
+    assert (
+        r.stderr
+        == f"lakestream mount: error: {m.mountpoint} is already a mount point (fuse.lakestream); unmount it first\n"
+    )
     assert len(mounts_at(str(m.mountpoint))) == 1 and m.status()["head_step"] == 0  # the first mount serves on
 
     full = tmp_path / "full"
@@ -1126,7 +1134,9 @@ def test_a_directory_at_the_next_log_version_does_not_end_the_mount(tmp_path: Pa
     truth = committed(url)
     m = mounts(url, "--prefetch", 0)
     r0 = m.mountpoint / "rank-0"
-    blocker = tmp_path / "stream" / "_lakestream" / "log" / f"{anyio.run(lakestream.load_state, url).version + 1:020d}.json"
+    blocker = (
+        tmp_path / "stream" / "_lakestream" / "log" / f"{anyio.run(lakestream.load_state, url).version + 1:020d}.json"
+    )
     blocker.mkdir()
     time.sleep(3)
     assert m.proc is not None and m.proc.poll() is None, m.log()

@@ -17,12 +17,12 @@ from typing import Any
 import anyio
 import orjson
 import pytest
+from cliutil import read_out_dir, run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mountutil import MountProc, read_tree
 
 import lakestream
-from cliutil import read_out_dir, run_cli
-from mountutil import MountProc, read_tree
 from lakestream import CorruptData, State
 from lakestream._log import HINT_KEY, LOG_PREFIX, Manifest, log_key, snapshot_key
 from lakestream._manifest import encode_record
@@ -167,7 +167,7 @@ async def test_a_snapshot_with_a_bad_first_step(file_url: str, value: Any, resea
     before, keys = await lakestream.load_state(file_url), await read_keys(file_url)
     await edit_snapshot(file_url, v, lambda d: d.__setitem__("first_step", value), reseal=reseal)
     async with lakestream.open_store(file_url) as store:
-        with pytest.raises(ValueError, match="first_step|checksum"):
+        with pytest.raises(ValueError, match=r"first_step|checksum"):
             State.from_json(await store.get(snapshot_key(v)))
     assert (await lakestream.load_state(file_url)).to_json() == before.to_json()
     assert warned_about(caplog, snapshot_key(v))
@@ -362,8 +362,7 @@ RANKS = [[0, 10, 7, 2], [10, 12, 9, 2]]  # two rank slices tiling a 22-byte segm
 
 def _commit(pid: str, epoch: int, seq: int, n: int, first: int) -> bytes:
     tgbs = [
-        {"segment": f"segments/{pid}/{epoch}-{seq + i}-x.tgb", "ranks": RANKS, "cursor": first + i}
-        for i in range(n)
+        {"segment": f"segments/{pid}/{epoch}-{seq + i}-x.tgb", "ranks": RANKS, "cursor": first + i} for i in range(n)
     ]
     return encode_record({"kind": "commit", "producer": pid, "epoch": epoch, "seq": seq, "tgbs": tgbs, "ts": 1.5 + seq})
 

@@ -322,7 +322,9 @@ async def test_s3_an_upload_cut_off_after_its_headers_leaves_no_object(s3_url: s
         sent: list[tuple[str, dict[str, str]]] = []
 
         def capture(request, **kw):  # type: ignore[no-untyped-def]
-            sent.append((request.url, {k: v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()}))
+            sent.append(
+                (request.url, {k: v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()})
+            )
             raise _Captured
 
         client.meta.events.register("before-send.s3.PutObject", capture)

@@ -21,13 +21,12 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-
 import torch  # the 'torch' extra (scripts/setup.sh installs it): a missing torch fails, never skips
+from mountutil import is_mounted
 from torch.utils.data import DataLoader
 
 import lakestream
 from lakestream.torch import MountDataset, StreamDataset, checkpoint_hook, decode_file, resolve_rank
-from mountutil import is_mounted
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "examples" / "train_torch.py"
@@ -80,7 +79,9 @@ def assert_same(got: Any, want: Any, where: str = "item") -> None:
     """Equal, with tensors compared by dtype, shape and values."""
     if isinstance(want, torch.Tensor):
         assert isinstance(got, torch.Tensor), f"{where}: {type(got).__name__}, expected a tensor"
-        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), f"{where}: {got} != {want}"
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), (
+            f"{where}: {got} != {want}"
+        )
     elif isinstance(want, dict):
         assert isinstance(got, dict) and list(got) == list(want), f"{where}: fields {list(got)} != {list(want)}"
         for k in want:

@@ -229,7 +229,7 @@ def _mntreader(argv: list[str]) -> int:
     step = a.start
     failures: Counter[int] = Counter()
     while True:
-        inst, status = _mount_instance(a.mnt)
+        inst, _status = _mount_instance(a.mnt)
         if inst is None:
             time.sleep(0.05)
             continue
@@ -751,7 +751,12 @@ class Torture:
             return
         text = p.child.text()
         m = REGISTERED.search(text)
-        if rc > 0 and "fenced" in text and self.rewind_mono is not None and (m is None or self.registered_before_rewind(p, m)):
+        if (
+            rc > 0
+            and "fenced" in text
+            and self.rewind_mono is not None
+            and (m is None or self.registered_before_rewind(p, m))
+        ):
             p.fenced += 1
             self.counts["fenced_exits"] += 1
         elif rc < 0:
@@ -806,17 +811,23 @@ class Torture:
             r.rewind_exits += 1
             self.counts["reader_rewind_exits"] += 1
             r.saw_discarded_at = None
-        elif r.kind == "py" and rc == 1 and last_error is not None and (
-            self.on_discarded(last_error)
-            or ("does not follow" in last_error.get("error", "") and r.saw_discarded_at is not None)
+        elif (
+            r.kind == "py"
+            and rc == 1
+            and last_error is not None
+            and (
+                self.on_discarded(last_error)
+                or ("does not follow" in last_error.get("error", "") and r.saw_discarded_at is not None)
+            )
         ):
             last_error["tolerated"] = True
             self.counts["reader_errors_on_discarded_steps"] += 1
             msg = (
                 "a Python reader still on the history a rewind discarded failed with CorruptData ('the segment "
                 "of a committed step is missing': GC had deleted the discarded step's segment) instead of "
-                "StepUnavailable" if "does not follow" not in last_error.get("error", "") else
-                "a Python reader still on the history a rewind discarded failed with ValueError 'apply: version "
+                "StepUnavailable"
+                if "does not follow" not in last_error.get("error", "")
+                else "a Python reader still on the history a rewind discarded failed with ValueError 'apply: version "
                 "N does not follow N' (fetch tasks refreshing the manifest concurrently)"
             )
             if msg not in self.warnings:
@@ -876,7 +887,9 @@ class Torture:
         try:
             child.popen.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.failures.append(f"mount daemon {child.name}.{child.inc} did not exit, even after its FUSE connection was aborted")
+            self.failures.append(
+                f"mount daemon {child.name}.{child.inc} did not exit, even after its FUSE connection was aborted"
+            )
 
     async def mount_status(self) -> dict[str, Any] | None:
         import anyio
@@ -902,7 +915,9 @@ class Torture:
         import anyio.to_thread
 
         self.gc_before = await anyio.to_thread.run_sync(self.list_objects)
-        self.gc_child = self.spawn("gc", "gc", ["cli", "gc", self.url, "--orphan-grace", str(self.cfg.orphan_grace), "--force-grace"])
+        self.gc_child = self.spawn(
+            "gc", "gc", ["cli", "gc", self.url, "--orphan-grace", str(self.cfg.orphan_grace), "--force-grace"]
+        )
         self.gc_kill_at = None
         if self.chaos and self.rng.random() < self.cfg.gc_kill_probability:
             self.gc_kill_at = time.monotonic() + self.rng.uniform(0.3, 1.2)
@@ -1021,7 +1036,7 @@ class Torture:
             elif p.state == "restart":
                 pass
             # a running producer must now exit with "fenced": on_producer_exit checks it
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
 
     # -- the main loop -------------------------------------------------------------------------
 
@@ -1101,9 +1116,9 @@ class Torture:
         import anyio
         import botocore.config
         import botocore.session
+        from cliutil import make_source_dir
 
         import lakestream
-        from cliutil import make_source_dir
         from lakestream._log import Manifest
 
         cfg = self.cfg
@@ -1137,7 +1152,7 @@ class Torture:
             f"orphan grace {cfg.orphan_grace:g} s, max steps ahead {cfg.max_steps_ahead}, workdir {self.workdir}"
         )
         # init (with faults: create is retried until it says created or exists)
-        for attempt in range(10):
+        for _attempt in range(10):
             rc, text = await self.run_cli(
                 "init", self.url, "--world-size", cfg.world_size, "--global-batch", cfg.global_batch,
                 "--snapshot-every", cfg.snapshot_every, "--keep-checkpoints", cfg.keep_checkpoints,
@@ -1258,7 +1273,8 @@ class Torture:
         self.out(
             f"[{self.now():7.1f}] head {st.head} first {st.first_step} v{st.version}; producers "
             + " ".join(f"{p.pid[-1]}:{p.state[0]}" for p in self.producers)
-            + "; readers " + " ".join(f"{r.name}:{r.state[0]}{r.frontier}" for r in self.readers)
+            + "; readers "
+            + " ".join(f"{r.name}:{r.state[0]}{r.frontier}" for r in self.readers)
             + f"; mount {self.mount_state}; ckpts {len(self.checkpoints)} "
             + ",".join(f"{c.id}@{c.step}" for c in st.checkpoints)
         )
@@ -1306,7 +1322,7 @@ class Torture:
             await self.on_gc_exit()
         self.out(f"[{self.now():7.1f}] stopped readers, gc and mount")
         await self.refresh()
-        for attempt in range(10):
+        for _attempt in range(10):
             before = self.list_objects()
             rc, text = await self.run_cli("gc", self.url, "--orphan-grace", 0, "--force-grace", name="gc-final")
             self.account_deleted(before, self.list_objects())
@@ -1474,13 +1490,14 @@ class Torture:
         self.fig["stored_after_final_gc"] = (
             f"segments {seg_bytes} B vs retained steps' segment bytes {retained} B "
             f"({seg_bytes / retained:.3f}x); whole stream prefix {sum(objects.values())} B in {len(objects)} objects"
-            if retained else f"segments {seg_bytes} B, nothing retained"
+            if retained
+            else f"segments {seg_bytes} B, nothing retained"
         )
         if retained and abs(seg_bytes - retained) > 0.1 * retained:
             fails.append(f"after the final GC, {seg_bytes} B of segments for {retained} B of retained steps")
         # log clean-up: nothing runs any more, so a lease of 0 is safe here
         report = None
-        for attempt in range(10):
+        for _attempt in range(10):
             try:
                 report = await lakestream.gc(self.store, orphan_grace=0, force_grace=True, lease=0)
                 break
@@ -1492,7 +1509,8 @@ class Torture:
         total = sum(objects2.values())
         self.fig["stored_after_log_cleanup"] = (
             f"{total} B in {len(objects2)} objects ({total / retained:.3f}x the retained segment bytes)"
-            if retained else total
+            if retained
+            else total
         )
         if retained and abs(total - retained) > 0.1 * retained:
             fails.append(f"after the log clean-up, {total} B stored for {retained} B of retained steps")
@@ -1505,7 +1523,7 @@ class Torture:
         if st2.steps != st.steps or st2.first_step != st.first_step:
             fails.append("the state after the log clean-up differs from the state before it")
         self.final_state = st
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
 
     def figures(self) -> None:
         c = self.counts

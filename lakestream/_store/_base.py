@@ -7,6 +7,7 @@ the engine needs: exactly one of any number of concurrent writers of a key wins.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 __all__ = ["ObjectStore"]
@@ -40,7 +41,7 @@ class ObjectStore(Protocol):
     async def list_sizes(self, prefix: str) -> dict[str, int]:
         """Every key starting with `prefix`, with its size in bytes."""
 
-    async def delete(self, keys: list[str]) -> None:
+    async def delete(self, keys: Sequence[str]) -> None:
         """Delete the objects; missing ones are ignored."""
 
     async def aclose(self) -> None:

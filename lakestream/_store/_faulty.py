@@ -22,7 +22,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 
@@ -150,7 +150,7 @@ class FaultyStore:
         await self._sleep(self._delay("list"))
         return await self.inner.list_sizes(prefix)
 
-    async def delete(self, keys: list[str]) -> None:
+    async def delete(self, keys: Sequence[str]) -> None:
         await self._before("delete", ",".join(keys))
         await self._sleep(self._delay("delete"))
         await self.inner.delete(keys)

@@ -15,11 +15,12 @@ import mmap
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio.to_thread
 
-from .._errors import AccessDenied, CorruptData, ObjectNotFound, StoreError, StoreFull
+from .._errors import AccessDenied, CorruptData, LakestreamError, ObjectNotFound, StoreError, StoreFull
 
 __all__ = ["FileStore"]
 
@@ -48,13 +49,12 @@ class FileStore:
                 size = os.fstat(f.fileno()).st_size
                 if length is not None:
                     length = max(0, min(length, size - offset))  # a range past the end is cut short
-                if length is not None and length >= MMAP_THRESHOLD:
-                    if offset + length <= size:
-                        # Large ranges of immutable objects are mapped, not copied: the mapping
-                        # outlives the file's name (replace and delete only unlink it).
-                        base = offset - offset % mmap.ALLOCATIONGRANULARITY
-                        m = mmap.mmap(f.fileno(), offset + length - base, offset=base, access=mmap.ACCESS_READ)
-                        return memoryview(m)[offset - base :]  # type: ignore[return-value]
+                if length is not None and length >= MMAP_THRESHOLD and offset + length <= size:
+                    # Large ranges of immutable objects are mapped, not copied: the mapping
+                    # outlives the file's name (replace and delete only unlink it).
+                    base = offset - offset % mmap.ALLOCATIONGRANULARITY
+                    m = mmap.mmap(f.fileno(), offset + length - base, offset=base, access=mmap.ACCESS_READ)
+                    return memoryview(m)[offset - base :]  # type: ignore[return-value]
                 if offset:
                     f.seek(offset)
                 if length is None:
@@ -73,7 +73,7 @@ class FileStore:
         except OSError as e:
             raise self._error(e, "read", key) from None
 
-    def _error(self, e: OSError, op: str, key: str) -> StoreError:
+    def _error(self, e: OSError, op: str, key: str) -> LakestreamError:
         """The one translation of a filesystem error into a Lakestream error naming the object."""
         where = f"{self.url}: {op} {key!r}"
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -170,7 +170,7 @@ class FileStore:
         # Walk only the directory that can hold the prefix.
         base, _, _ = prefix.rpartition("/")
         start = self.root.joinpath(*base.split("/")) if base else self.root
-        out = []
+        out: list[str] = []
         for dirpath, dirnames, filenames in os.walk(start):
             dirnames[:] = [d for d in dirnames if not d.startswith(".")]
             rel = os.path.relpath(dirpath, self.root)
@@ -214,7 +214,7 @@ class FileStore:
         self.requests += 1
         return await anyio.to_thread.run_sync(self._list_sizes, prefix)
 
-    async def delete(self, keys: list[str]) -> None:
+    async def delete(self, keys: Sequence[str]) -> None:
         self.requests += 1
         await anyio.to_thread.run_sync(self._delete, list(keys))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .._errors import ObjectNotFound
 
 __all__ = ["MemoryStore"]
@@ -36,7 +38,7 @@ class MemoryStore:
     async def list_sizes(self, prefix: str) -> dict[str, int]:
         return {k: len(self.objects[k]) for k in await self.list(prefix)}
 
-    async def delete(self, keys: list[str]) -> None:
+    async def delete(self, keys: Sequence[str]) -> None:
         for key in keys:
             self.objects.pop(key, None)
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import os
 import random
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import aiobotocore.session
@@ -180,9 +181,7 @@ class S3Store:
                         or session.get_config_variable("region")
                         or "us-east-1"
                     )
-                    creator = session.create_client(
-                        "s3", region_name=region, config=self._config, **self._client_args
-                    )
+                    creator = session.create_client("s3", region_name=region, config=self._config, **self._client_args)
                     client = await self._stack.enter_async_context(creator)
                     self.endpoint_url = client.meta.endpoint_url
                     self._client = client
@@ -208,9 +207,7 @@ class S3Store:
         target = f" {key!r}" if key is not None else ""
         return StoreError(f"{self.url}: {op}{target} failed in {where}: {code or status}: {message}")
 
-    def _translate(
-        self, e: BaseException, key: str | None, op: str, attempts: int, elapsed: float
-    ) -> StoreError:
+    def _translate(self, e: BaseException, key: str | None, op: str, attempts: int, elapsed: float) -> StoreError:
         if isinstance(e, ClientError):
             code, status = _code_status(e)
             if _retryable(e):
@@ -259,7 +256,8 @@ class S3Store:
         async def attempt(c: Any) -> bytes:
             resp = await c.get_object(Bucket=self.bucket, Key=full)
             async with resp["Body"] as body:
-                return await body.read()
+                data: bytes = await body.read()
+            return data
 
         return await self._run("get", key, attempt)
 
@@ -282,7 +280,7 @@ class S3Store:
                     return b""
                 raise
             async with resp["Body"] as body:
-                data = await body.read()
+                data: bytes = await body.read()
             if resp["ResponseMetadata"]["HTTPStatusCode"] == 200:  # Range ignored: whole object
                 data = data[offset : offset + length]
             return data
@@ -327,20 +325,21 @@ class S3Store:
             params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full}
             if token:
                 params["ContinuationToken"] = token
-            page = await self._run("list", None, lambda c, p=params: c.list_objects_v2(**p))
-            keys.update((o["Key"][cut:], int(o.get("Size", 0))) for o in page.get("Contents", ()) if not o["Key"].endswith("/"))
+            page: dict[str, Any] = await self._run("list", None, functools.partial(_list_page, params=params))
+            keys.update(
+                (o["Key"][cut:], int(o.get("Size", 0))) for o in page.get("Contents", ()) if not o["Key"].endswith("/")
+            )
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 return keys
 
-    async def delete(self, keys: list[str]) -> None:
+    async def delete(self, keys: Sequence[str]) -> None:
         """Delete the objects (DeleteObjects, 1000 a request); missing ones are ignored."""
         full = [self._key(k) for k in keys]
         for i in range(0, len(full), _BATCH):
             batch = {"Objects": [{"Key": k} for k in full[i : i + _BATCH]], "Quiet": True}
-            resp = await self._run(
-                "delete", None, lambda c, b=batch: c.delete_objects(Bucket=self.bucket, Delete=b)
-            )
+            delete = functools.partial(_delete_page, bucket=self.bucket, batch=batch)
+            resp: dict[str, Any] = await self._run("delete", None, delete)
             for err in resp.get("Errors", ()):
                 code = str(err.get("Code", ""))
                 if code != "NoSuchKey":
@@ -359,6 +358,14 @@ class S3Store:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+async def _list_page(client: Any, *, params: dict[str, Any]) -> Any:
+    return await client.list_objects_v2(**params)
+
+
+async def _delete_page(client: Any, *, bucket: str, batch: dict[str, Any]) -> Any:
+    return await client.delete_objects(Bucket=bucket, Delete=batch)
 
 
 async def _checksum(data: bytes) -> tuple[bytes, str]:

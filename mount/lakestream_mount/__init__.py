@@ -159,4 +159,3 @@ def abort_connection(mountpoint: str) -> bool:
         return False
     log.warning("%s: aborted FUSE connection %d", mountpoint, n)
     return True
-

@@ -49,9 +49,9 @@ import random
 import stat
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import anyio
 import orjson
@@ -76,6 +76,7 @@ META_NAME = b"_meta.json"
 LATEST_NAME = b"latest"
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 def step_of_name(name: bytes) -> int | None:
@@ -136,13 +137,14 @@ def check_names(files: list[lakestream.FieldRef], where: str) -> dict[bytes, int
     return names
 
 
-def _handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+def _handler(
+    fn: Callable[Concatenate[LakeFS, P], Awaitable[T]],
+) -> Callable[Concatenate[LakeFS, P], Coroutine[Any, Any, T]]:
     """Log every exception of a handler and map it to an errno, in one place."""
 
-    @functools.wraps(fn)
-    async def wrapper(self: LakeFS, *args: Any) -> T:
+    async def wrapper(self: LakeFS, /, *args: P.args, **kwargs: P.kwargs) -> T:
         try:
-            return await fn(self, *args)
+            return await fn(self, *args, **kwargs)
         except pyfuse3.FUSEError:
             raise
         except Exception as group:
@@ -160,6 +162,7 @@ def _handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
                 log.error("%s%r failed", fn.__name__, args, exc_info=e)
             raise pyfuse3.FUSEError(errno.EIO) from None
 
+    functools.update_wrapper(wrapper, fn)
     return wrapper
 
 
@@ -382,7 +385,7 @@ class LakeFS(pyfuse3.Operations):
             while not self.closing.is_set():
                 try:
                     changed = await self.reader.manifest.refresh()  # versions applied
-                except Exception as group:  # noqa: BLE001 - StoreError, OSError, a task group of them: retried
+                except Exception as group:
                     failures += 1
                     e = _leaf(group)
                     delay = min(self.retry_max, self.retry_min * 2 ** (failures - 1)) * random.uniform(0.5, 1.0)
@@ -646,7 +649,7 @@ class LakeFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EINVAL)
         return b"%012d" % self.state.head
 
-    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for inode, n in inode_list:
             self.inodes.forget(inode, n)
 
@@ -749,7 +752,7 @@ class LakeFS(pyfuse3.Operations):
         f = sl.files[target.index]
         start = f.offset + min(off, f.length)
         end = f.offset + min(off + size, f.length)
-        return sl.data[start:end]  # a memoryview: no copy before pyfuse3's own
+        return sl.data[start:end]  # type: ignore[return-value]  # a memoryview: no copy before pyfuse3's own
 
     async def release(self, fh: int) -> None:
         self._handles.pop(fh, None)
@@ -765,5 +768,6 @@ class LakeFS(pyfuse3.Operations):
     async def _read_only(self, *args: Any) -> Any:
         raise pyfuse3.FUSEError(errno.EROFS)
 
-    setattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = create = write = _read_only
-    setxattr = removexattr = _read_only
+    # pyfuse3 types each of these with its own signature; one handler refuses them all.
+    setattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = create = write = _read_only  # type: ignore[assignment]
+    setxattr = removexattr = _read_only  # type: ignore[assignment]
