@@ -236,7 +236,7 @@ async def emulate(cfg: dict[str, Any]) -> dict[str, Any]:
     from lakestream._dac import make_policy
     from lakestream._log import LOG_PREFIX, SNAPSHOT_PREFIX
     from lakestream._store import MemoryStore
-    from lakestream._store._faulty import S3_LIKE, FaultyStore
+    from lakestream.testing import S3_LIKE, FaultyStore
 
     policy: str = cfg["policy"]
     n: int = cfg["n"]

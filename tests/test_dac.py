@@ -22,7 +22,7 @@ from lakestream._dac import (
     make_policy,
 )
 from lakestream._store import MemoryStore
-from lakestream._store._faulty import FaultyStore
+from lakestream.testing import FaultyStore
 
 observations = st.builds(
     Observation,

@@ -20,7 +20,7 @@ from lakestream import (
 from lakestream._log import Manifest, log_key, snapshot_key
 from lakestream._producer import Producer
 from lakestream._store import FileStore, MemoryStore
-from lakestream._store._faulty import FaultyStore
+from lakestream.testing import FaultyStore
 
 W, B = 3, 6
 

@@ -46,3 +46,11 @@ def test_heavy_dependencies_stay_in_their_modules() -> None:
 def test_core_does_not_import_the_mount() -> None:
     for path in ROOT.glob("lakestream/**/*.py"):
         assert not any(m.startswith("lakestream_mount") for m in imports(path) if path.name != "_cli.py"), path
+
+
+def test_the_library_never_imports_its_test_support() -> None:
+    for path in ROOT.glob("lakestream/**/*.py"):
+        if "testing" in path.relative_to(ROOT / "lakestream").parts:
+            continue
+        found = {m for m in imports(path) if m.startswith("lakestream.testing")}
+        assert not found, f"{path.relative_to(ROOT)} imports {found}: test support stays out of the library"

@@ -22,7 +22,7 @@ import torture
 import lakestream
 from lakestream._log import log_key
 from lakestream._store import MemoryStore
-from lakestream._store._faulty import FaultyStore
+from lakestream.testing import FaultyStore
 
 MOUNT = os.path.exists("/dev/fuse") and os.access("/dev/fuse", os.R_OK | os.W_OK)
 

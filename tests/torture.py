@@ -21,7 +21,7 @@ What runs, concurrently, for the chaos phase:
   with "fenced") and is restarted, resuming from its cursor as of the checkpoint; the Python
   readers notice the rewind themselves (StepUnavailable) and the mount readers are restarted,
   both from the checkpoint's step + 1;
-* injected store faults everywhere: in subprocesses through the library's `LAKESTREAM_FAULTS`
+* injected store faults everywhere: in subprocesses through `LAKESTREAM_FAULTS` (`lakestream.testing`)
   hook (503-like failures and ambiguous puts) plus a timeout hook added by this harness's child
   wrapper (`torture.py cli ...`, which runs `lakestream._cli.main` and logs every injected fault);
   in this process through a FaultyStore wrapping the S3 store (follower, checkpoints, final reads).
@@ -117,30 +117,26 @@ def _timeout_hook(store: Any, probability: float, seconds: float, rng: random.Ra
     return hook
 
 
-def _install_fault_counting() -> None:
-    """In a child: count the faults that `LAKESTREAM_FAULTS` injects (TORTURE_FAULT_LOG) and add
-    timeouts (TORTURE_TIMEOUTS=probability:seconds:seed) to the FaultyStore the library creates."""
+def _install_faults() -> None:
+    """In a child: inject the faults of LAKESTREAM_FAULTS into every store it opens
+    (`lakestream.testing.inject_faults`), count them in TORTURE_FAULT_LOG and add the timeouts of
+    TORTURE_TIMEOUTS=probability:seconds:seed."""
+    spec = os.environ.get("LAKESTREAM_FAULTS")
+    if not spec:
+        return
+    from lakestream.testing import FaultyStore, inject_faults
+
     log_path = os.environ.get("TORTURE_FAULT_LOG")
     timeouts = os.environ.get("TORTURE_TIMEOUTS")
-    if not os.environ.get("LAKESTREAM_FAULTS") or not (log_path or timeouts):
-        return
-    import lakestream._store as stores
 
-    original = getattr(stores, "_with_faults", None)
-    if original is None:  # pragma: no cover - the library hook changed shape
-        print("torture: lakestream._store._with_faults not found: faults not counted", file=sys.stderr)
-        return
-
-    def with_faults(store: Any, spec: str) -> Any:
-        faulty = original(store, spec)
+    def configure(faulty: FaultyStore) -> None:
         if log_path:
             faulty.injected = _LoggedCounter(log_path)
         if timeouts:
             p, s, seed = timeouts.split(":")
             faulty.hook = _timeout_hook(faulty, float(p), float(s), random.Random(int(seed)))
-        return faulty
 
-    stores._with_faults = with_faults
+    inject_faults(spec, configure)
 
 
 class _Journal:
@@ -289,7 +285,7 @@ def _mntreader(argv: list[str]) -> int:
 
 def child_main(argv: list[str]) -> int:
     mode, rest = argv[0], argv[1:]
-    _install_fault_counting()
+    _install_faults()
     if mode == "cli":
         from lakestream._cli import main
 
@@ -550,7 +546,7 @@ class Torture:
     # -- in-process store ----------------------------------------------------------------------
 
     def faulty(self, inner: Any, seed: int) -> Any:
-        from lakestream._store._faulty import FaultyStore
+        from lakestream.testing import FaultyStore
 
         f = parse_faults(self.cfg.faults) if self.cfg.faults else {"ambiguous": 0.0, "fail": 0.0}
         store = FaultyStore(inner, ambiguous_put=f["ambiguous"], fail_before=f["fail"], rng=random.Random(seed))

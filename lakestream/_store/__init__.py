@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from urllib.parse import urlparse
 
 from ._base import ObjectStore
 from ._file import FileStore
 from ._memory import MemoryStore
 
-__all__ = ["FileStore", "MemoryStore", "ObjectStore", "open_store", "split_url"]
+__all__ = ["FileStore", "MemoryStore", "ObjectStore", "open_store", "set_store_wrapper", "split_url"]
 
 
 def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
@@ -22,33 +23,22 @@ def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
     return parsed.scheme, url
 
 
+_wrapper: Callable[[ObjectStore], ObjectStore] | None = None
+
+
+def set_store_wrapper(wrap: Callable[[ObjectStore], ObjectStore] | None) -> None:
+    """Wrap every store `open_store` opens from now on (for `lakestream.testing` only)."""
+    global _wrapper
+    _wrapper = wrap
+
+
 def open_store(url: str | os.PathLike[str], **options: object) -> ObjectStore:
     """A store for `url`. Use it as an async context manager (or call `aclose()`).
 
     Raises ValueError for an unknown scheme; S3 needs the `s3` extra (aiobotocore).
-    With `LAKESTREAM_FAULTS` set in the environment (e.g. `ambiguous=0.02,fail=0.02,seed=1`),
-    the store is wrapped in a FaultyStore that injects those faults: for crash and fault tests of
-    whole processes.
     """
     store = _open_store(url, **options)
-    spec = os.environ.get("LAKESTREAM_FAULTS")
-    return _with_faults(store, spec) if spec else store
-
-
-def _with_faults(store: ObjectStore, spec: str) -> ObjectStore:
-    import random
-
-    from ._faulty import FaultyStore
-
-    try:
-        kv = dict(item.split("=", 1) for item in spec.split(",") if item)
-        faults = {"ambiguous_put": float(kv.pop("ambiguous", 0)), "fail_before": float(kv.pop("fail", 0))}
-        seed = int(kv.pop("seed", 0)) or None
-    except ValueError as e:
-        raise ValueError(f"LAKESTREAM_FAULTS={spec!r}: expected ambiguous=P,fail=P,seed=N ({e})") from None
-    if kv:
-        raise ValueError(f"LAKESTREAM_FAULTS={spec!r}: unknown keys {sorted(kv)} (ambiguous, fail, seed)")
-    return FaultyStore(store, rng=random.Random(seed), **faults)  # type: ignore[arg-type]
+    return _wrapper(store) if _wrapper is not None else store
 
 
 def _open_store(url: str | os.PathLike[str], **options: object) -> ObjectStore:

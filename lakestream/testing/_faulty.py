@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import anyio
 
 from .._errors import StoreUnavailable
-from ._base import ObjectStore
+from .._store import ObjectStore
 
 __all__ = ["S3_LIKE", "FaultyStore"]
 
