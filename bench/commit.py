@@ -121,8 +121,8 @@ async def _prepopulate(inner: Any, versions: int, old_producers: int = 64) -> di
     straight into `inner`, and a snapshot of the state at the tail (hint included)."""
     import orjson
 
-    from lakestream._log import Manifest, log_key
-    from lakestream._manifest import State, encode_record
+    from lakestream._manifest import Manifest, log_key
+    from lakestream._state import State, encode_record
 
     t0 = time.perf_counter()
     state = State()
@@ -233,8 +233,8 @@ async def emulate(cfg: dict[str, Any]) -> dict[str, Any]:
 
     import lakestream
     from lakestream import Producer
-    from lakestream._dac import make_policy
-    from lakestream._log import LOG_PREFIX, SNAPSHOT_PREFIX
+    from lakestream._manifest import LOG_PREFIX, SNAPSHOT_PREFIX
+    from lakestream._pacing import make_policy
     from lakestream._store import MemoryStore
     from lakestream.testing import S3_LIKE, FaultyStore
 

@@ -64,7 +64,7 @@ from _common import (
 )
 
 import lakestream
-from lakestream._log import log_key  # the baseline's warm-up GET
+from lakestream._manifest import log_key  # the baseline's warm-up GET
 
 WORLD_SIZE = 4
 TGB_BYTES = 16 * MiB  # global batch = TGB_BYTES / sample size, at least one sample per rank

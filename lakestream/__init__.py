@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from ._dac import BackoffPolicy, CommitPolicy, DacPolicy, EagerPolicy, IntervalPolicy
 from ._errors import (
     AccessDenied,
     BucketNotFound,
@@ -40,11 +39,12 @@ from ._lifecycle import checkpoint as _checkpoint
 from ._lifecycle import gc as _gc
 from ._lifecycle import release as _release
 from ._lifecycle import rewind as _rewind
-from ._log import Manifest, create_stream
-from ._manifest import Config, State, Step
+from ._manifest import Manifest, create_stream
+from ._pacing import BackoffPolicy, CommitPolicy, DacPolicy, EagerPolicy, IntervalPolicy
 from ._producer import Producer, ProducerStats
 from ._reader import RankBatch, RawSlice, Reader
 from ._segment import FieldRef
+from ._state import Config, State, Step
 from ._store import ObjectStore, open_store
 from ._verify import VerifyReport, verify_state
 

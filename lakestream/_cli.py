@@ -25,8 +25,8 @@ import orjson
 
 import lakestream
 
-from ._dac import DacPolicy
 from ._errors import LakestreamError
+from ._pacing import DacPolicy
 from ._sources import describe_cursor, dir_source, synthetic_source
 from ._tasks import task_group
 

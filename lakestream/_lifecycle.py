@@ -14,7 +14,7 @@ GC, in this order, so that nothing readable is ever deleted:
    epoch is fenced; other unreferenced segments (uploads whose commit may still be on its way) only
    once they are older than `orphan_grace`;
 3. delete log versions and snapshots below a snapshot whose version was committed more than
-   `lease` ago (see `_log` for why this cannot resurrect a version), snapshots first, keeping
+   `lease` ago (see `_manifest` for why this cannot resurrect a version), snapshots first, keeping
    version 0 (the create record).
 
 GC acts only on a state it could check: if loading skipped a bad snapshot, if a snapshot differs
@@ -34,10 +34,10 @@ from typing import Any
 import orjson
 
 from ._errors import ConfigMismatch, CorruptData, ObjectNotFound, StepUnavailable, StoreFull
-from ._log import HINT_KEY, LOG_PREFIX, SNAPSHOT_PREFIX, Manifest, _version_of, log_key
-from ._manifest import State, decode_record
+from ._manifest import HINT_KEY, LOG_PREFIX, SNAPSHOT_PREFIX, Manifest, _version_of, log_key
 from ._producer import parse_segment_key
 from ._retry import retry
+from ._state import State, decode_record
 from ._store import ObjectStore
 
 __all__ = ["MIN_ORPHAN_GRACE", "GcReport", "checkpoint", "gc", "release", "rewind"]

@@ -1,646 +1,448 @@
-"""The manifest state machine: records in, state out. No I/O, no clock, no randomness.
+"""The manifest log on an object store: load, follow, append (optimistic concurrency), snapshot.
 
-Theory of operation
--------------------
-A stream's manifest is a log of records at versions 0, 1, 2 … Version 0 is the `create` record;
-every later version holds exactly one record. The state at version v is `apply` folded over the
-records 0..v, and nothing else: every reader and writer that applies the same log gets the same
-state, byte for byte (`State.to_json`). A snapshot is that state serialised, so
-`snapshot(v) + records v+1..w` equals replaying 0..w.
+Layout under the stream root:
 
-Invariants, kept by `apply` alone:
+    _lakestream/log/<version:020d>.json        one record per version; version 0 is `create`
+    _lakestream/snapshots/<version:020d>.json  the whole state at that version, sealed (`State.to_json`)
+    _lakestream/last_snapshot                  best-effort hint: {"version": v}
 
-* Steps are `first_step .. head` with no gaps. A `commit` appends its TGBs at `head + 1 …` in
-  record order; step numbers are assigned here, never by the writer. A commit record therefore
-  does not change when its writer loses a race and retries at a later version ("rebase" is free).
-* A record that is invalid at its position — bad JSON, unknown kind, wrong schema, a stale epoch,
-  a sequence number that is not the producer's next — is a no-op, recorded in `rejected`.
-  Writers check their own record against the state they built before putting it, so in a healthy
-  stream nothing is ever rejected; `verify` and `status` report it when something is.
-* `register` raises a producer's epoch by exactly one; a producer may commit only with its current
-  epoch. An older incarnation ("zombie") that catches up with the log sees the newer epoch before
-  it can write the next version, so it can never commit again.
-* Each TGB carries a per-producer sequence number; a commit is valid only if its first TGB's `seq`
-  is the producer's committed `seq + 1`. A writer that is unsure whether its put landed re-reads
-  the log: every TGB with `seq <= producers[id].seq` is committed, every other one is not.
-* Each TGB carries the producer's source cursor after its last sample, so a restarted producer
-  resumes exactly after its last committed sample.
-* `checkpoint`, `release`, `reclaim` and `rewind` (the lifecycle) only move `first_step`, `head`,
-  the checkpoint list and epochs; they never reorder steps.
+Appending is a put-if-absent of `version + 1`. The loser of a race reads the versions it missed,
+applies them, asks its `build` callback for a record valid on the new state, and tries again;
+because `apply` assigns step numbers, a commit record never has to be rewritten (see
+`_state`). The tail is found by reading forward until a GET answers "not found": no LIST on
+the hot path.
+
+Ambiguity and ABA. A put may land while its answer is lost; the retry meets its own record. The
+writer never trusts a put's answer alone for the meaning of what it wrote: `build` derives what is
+still to do from the state, so a record that landed is seen as landed. Deleting old log versions
+(GC) opens one more hazard: a writer stalled since before a deletion could re-create a deleted
+version and believe it committed. Three rules rule it out:
+
+1. GC deletes log version v (and snapshots older than v) only once the hint has pointed at a
+   snapshot above v for at least `lease` seconds, and deletes log versions in ascending order.
+2. A writer or reader whose view of the tail was last confirmed more than `lease / 2` ago first
+   moves to the newest snapshot (found by LIST) before it reads or puts the next version.
+3. A writer whose put succeeded more than `lease / 2` after its view was confirmed does not take
+   the success at its word: it reloads from the newest snapshot and re-derives what landed, as for
+   an ambiguous put. A resurrected version lies below that snapshot and is never read.
+
+Within `lease / 2` of a confirmation no version above the confirmed tail can have been deleted
+(it would need a snapshot above it that is `lease` old), so a put in that window meets a
+"precondition failed" rather than a gap.
+
+Snapshots are a cache of the log, and are not trusted blindly (`read_snapshot`). One is used only
+if its checksum matches (`State.from_json`; old unsealed snapshots on their structure alone), every
+field and invariant checks out, the version inside equals the version in its name, the log record
+at that version still exists, and the state reflects that record (`State.check_last_record`: one
+GET, not a replay; it catches a snapshot that drops or alters the newest steps whenever its
+version is a commit, as the producers' snapshots are). A snapshot that fails is skipped with a
+warning naming it, and the next older one is tried, and finally the log from version 0; what was
+skipped is kept in `Manifest.problems`, and GC refuses to act on such a load. A snapshot forged
+with a recomputed checksum and consistent with its own log record is not caught here, only by a
+replay of the log below it (`audit_snapshots`, which `verify` and GC run).
+
+Without a usable snapshot the log is read from version 0, and one LIST of the log checks that
+the version where reading stopped is really the tail: if later versions exist (the versions below
+were cleaned up, and the snapshot that covered them is gone or bad), the stream has a hole, and
+`load` raises CorruptData naming it rather than showing a stream that looks empty or old.
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
-from dataclasses import dataclass, field
-from typing import Any, cast
+import logging
+import math
+import random
+import time
+from collections.abc import Callable
+from typing import Any
 
+import anyio
 import orjson
 
-__all__ = [
-    "FORMAT_VERSION",
-    "LIMITS",
-    "Config",
-    "ProducerState",
-    "RankSlice",
-    "State",
-    "Step",
-    "decode_record",
-    "encode_record",
-]
+from ._errors import ConfigMismatch, CorruptData, ObjectNotFound, StoreUnavailable, StreamNotFound
+from ._retry import retry
+from ._state import Config, State, encode_record
+from ._store import ObjectStore
+from ._tasks import task_group
 
-FORMAT_VERSION = 1
-_PRODUCER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+__all__ = ["LOG_PREFIX", "SNAPSHOT_PREFIX", "Manifest", "create_stream", "log_key", "snapshot_key"]
 
+LOG_PREFIX = "_lakestream/log/"
+SNAPSHOT_PREFIX = "_lakestream/snapshots/"
+HINT_KEY = "_lakestream/last_snapshot"
+MAX_WINDOW = 32
+RATE_HORIZON = 5.0  # seconds over which the log's growth rate is averaged
 
-# The shapes a stream may have. Everything that reads a stream (readers, the mount, `status`)
-# allocates in proportion to these, so they are refused at `create`, not discovered later.
-LIMITS = {
-    "world_size": (1, 1 << 16),
-    "global_batch": (1, 1 << 24),
-    "snapshot_every": (1, 1 << 20),
-    "max_sample_bytes": (1, 1 << 32),
-    "keep_checkpoints": (0, 1 << 16),
-    "max_steps_ahead": (0, 1 << 32),  # 0: unbounded
-}
+log = logging.getLogger("lakestream.log")
 
 
-@dataclass(frozen=True, slots=True)
-class Config:
-    """What `create` fixes for the life of a stream."""
-
-    world_size: int
-    global_batch: int
-    snapshot_every: int = 1000
-    keep_checkpoints: int = 3
-    max_steps_ahead: int = 0  # 0: unbounded
-    max_sample_bytes: int = 1 << 30
-    format: int = FORMAT_VERSION
-
-    def __post_init__(self) -> None:
-        for name, (lo, hi) in LIMITS.items():
-            v = getattr(self, name)
-            if type(v) is not int or not lo <= v <= hi:
-                raise ValueError(f"{name} must be an integer from {lo} to {hi}, got {v!r}")
-        if self.global_batch < self.world_size:
-            raise ValueError(
-                f"global_batch {self.global_batch} is smaller than world_size {self.world_size}: "
-                "some ranks would get no samples (and a data-parallel job would hang)"
-            )
-        if self.format != FORMAT_VERSION:
-            raise ValueError(f"unsupported stream format {self.format!r} (this library reads {FORMAT_VERSION})")
-
-    def to_dict(self) -> dict[str, int]:
-        return {
-            "format": self.format,
-            "world_size": self.world_size,
-            "global_batch": self.global_batch,
-            "snapshot_every": self.snapshot_every,
-            "keep_checkpoints": self.keep_checkpoints,
-            "max_steps_ahead": self.max_steps_ahead,
-            "max_sample_bytes": self.max_sample_bytes,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Config:
-        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
-        return cls(**known)
+def log_key(version: int) -> str:
+    return f"{LOG_PREFIX}{version:020d}.json"
 
 
-@dataclass(frozen=True, slots=True)
-class RankSlice:
-    """Where one rank's part of a TGB lives in its segment."""
-
-    offset: int
-    length: int
-    crc32: int
-    samples: int
+def snapshot_key(version: int) -> str:
+    return f"{SNAPSHOT_PREFIX}{version:020d}.json"
 
 
-@dataclass(frozen=True, slots=True)
-class Step:
-    """One committed TGB at its step."""
-
-    step: int
-    version: int
-    segment: str
-    producer: str
-    epoch: int
-    seq: int
-    ranks: tuple[RankSlice, ...]
-    cursor: Any
-    ts: float
-
-    @property
-    def samples(self) -> int:
-        return sum(r.samples for r in self.ranks)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(r.length for r in self.ranks)
-
-    def to_list(self) -> list[Any]:
-        return [
-            self.step, self.version, self.segment, self.producer, self.epoch, self.seq,
-            [[r.offset, r.length, r.crc32, r.samples] for r in self.ranks], self.cursor, self.ts,
-        ]  # fmt: skip
-
-    @classmethod
-    def from_list(cls, v: list[Any]) -> Step:
-        step, version, segment, producer, epoch, seq, ranks, cursor, ts = v
-        return cls(step, version, segment, producer, epoch, seq, tuple(RankSlice(*r) for r in ranks), cursor, ts)
+def _version_of(key: str) -> int | None:
+    name = key.rsplit("/", 1)[-1]
+    stem = name.removesuffix(".json")
+    return int(stem) if stem.isdigit() and len(stem) == 20 else None
 
 
-@dataclass(slots=True)
-class ProducerState:
-    epoch: int = 0
-    seq: int = -1  # last committed TGB sequence number
-    cursor: Any = None  # source position after the last committed sample
-    token: str = ""  # the registering incarnation's random id
-    last_ts: float = 0.0  # timestamp of its last record
-    commits: int = 0
-    tgbs: int = 0
-    base_cursor: Any = None  # its cursor after its last reclaimed TGB (what a rewind falls back to)
-    lost: int = 0  # races its last commit lost before it landed (what commit pacing listens to)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch, "seq": self.seq, "cursor": self.cursor, "token": self.token,
-            "last_ts": self.last_ts, "commits": self.commits, "tgbs": self.tgbs, "base_cursor": self.base_cursor,
-            "lost": self.lost,
-        }  # fmt: skip
-
-
-def encode_record(record: dict[str, Any]) -> bytes:
-    return orjson.dumps(record)
-
-
-def decode_record(data: bytes) -> dict[str, Any]:
-    """Raises ValueError for anything that is not a JSON object with a string `kind`."""
-    record = orjson.loads(data)
-    if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
-        raise ValueError("not a record: a JSON object with a string 'kind' is required")
-    return record
-
-
-class _Reject(Exception):
-    pass
-
-
-def _need(cond: bool, why: str) -> None:
-    if not cond:
-        raise _Reject(why)
-
-
-def _int(v: Any, lo: int = 0) -> bool:
-    return type(v) is int and v >= lo
-
-
-def _segment_key(key: Any) -> bool:
-    """`segments/…`: relative, '/'-separated, no empty, hidden, '.' or '..' part, at most 1 KiB."""
-    if not isinstance(key, str) or not key.startswith("segments/") or len(key) > 1024 or "\\" in key:
-        return False
-    return all(part and not part.startswith(".") and part.isprintable() for part in key.split("/"))
-
-
-def _ts(record: dict[str, Any]) -> float:
-    ts = record.get("ts", 0.0)
-    return float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) else 0.0
-
-
-@dataclass(slots=True)
-class Checkpoint:
-    id: str
-    step: int
-    version: int
-
-
-@dataclass(slots=True)
-class State:
-    """A stream's manifest state at `version`. Mutated only by `apply`."""
-
-    version: int = -1
-    config: Config | None = None
-    first_step: int = 0  # lowest step not reclaimed
-    steps: list[Step] = field(default_factory=list)  # steps[i] is step first_step + i
-    producers: dict[str, ProducerState] = field(default_factory=dict)
-    checkpoints: list[Checkpoint] = field(default_factory=list)  # oldest first
-    rewinds: int = 0
-    rejected: list[tuple[int, str]] = field(default_factory=list)
-
-    # -- queries -------------------------------------------------------------------------------
-
-    @property
-    def head(self) -> int:
-        """The newest committed step, or first_step - 1 (-1 for a new stream) when there is none."""
-        return self.first_step + len(self.steps) - 1
-
-    @property
-    def watermark(self) -> int:
-        """The oldest retained checkpoint's step; -1 with no checkpoint (nothing reclaimable)."""
-        return self.checkpoints[0].step if self.checkpoints else -1
-
-    def step(self, n: int) -> Step | None:
-        i = n - self.first_step
-        return self.steps[i] if 0 <= i < len(self.steps) else None
-
-    # -- the transition function ---------------------------------------------------------------
-
-    def apply(self, version: int, data: bytes) -> str | None:
-        """Apply the record stored at `version`; None if it took effect, else why it was a no-op.
-
-        `version` must be `self.version + 1`. Deterministic; never raises for bad record bytes.
-        """
-        if version != self.version + 1:
-            raise ValueError(f"apply: version {version} does not follow {self.version}")
-        try:
-            record = decode_record(data)
-            self._apply(version, record)
-            why = None
-        except (_Reject, ValueError, TypeError, KeyError) as e:
-            why = f"{type(e).__name__}: {e}" if not isinstance(e, _Reject) else str(e)
-            self.rejected.append((version, why))
-        self.version = version
-        return why
-
-    def check(self, record: dict[str, Any]) -> str | None:
-        """Why `record` would be a no-op at the next version, or None if it would take effect."""
-        try:
-            self._validate(self.version + 1, record)
-        except (_Reject, ValueError, TypeError, KeyError) as e:
-            return str(e)
+async def _get_or_none(store: ObjectStore, key: str) -> bytes | None:
+    try:
+        return await store.get(key)
+    except ObjectNotFound:
         return None
 
-    def _validate(self, version: int, r: dict[str, Any]) -> None:
-        kind = r.get("kind")
-        if version == 0:
-            _need(kind == "create", "version 0 must be a create record")
-            _need(isinstance(r.get("config"), dict), "create: config must be an object")
-            Config.from_dict(r["config"])
-            return
-        _need(self.config is not None, "stream has no valid create record")
-        if kind == "register":
-            pid: Any = r.get("producer")  # raw JSON values: each is checked before it is used
-            _need(isinstance(pid, str) and bool(_PRODUCER_ID.match(pid)), f"register: bad producer id {pid!r}")
-            prev = self.producers.get(pid)
-            want = (prev.epoch if prev else 0) + 1
-            _need(
-                _int(r.get("epoch")) and r["epoch"] == want, f"register {pid}: epoch {r.get('epoch')!r} is not {want}"
-            )
-            _need(isinstance(r.get("token"), str), f"register {pid}: token must be a string")
-        elif kind == "commit":
-            self._validate_commit(r)
-        elif kind == "checkpoint":
-            cid, step = r.get("id"), cast(Any, r.get("step"))
-            _need(isinstance(cid, str) and 0 < len(cid) <= 256, f"checkpoint: bad id {cid!r}")
-            _need(_int(step), f"checkpoint {cid}: bad step {step!r}")
-            _need(self.first_step <= step <= self.head, f"checkpoint {cid}: step {step} is not retained")
-            for c in self.checkpoints:
-                _need(c.id != cid, f"checkpoint {cid}: id already recorded at step {c.step}")
-            _need(not self.checkpoints or step >= self.checkpoints[-1].step,
-                  f"checkpoint {cid}: step {step} is older than the newest checkpoint")  # fmt: skip
-        elif kind == "release":
-            cid = r.get("id")
-            _need(any(c.id == cid for c in self.checkpoints), f"release: no checkpoint {cid!r}")
-        elif kind == "reclaim":
-            below: Any = r.get("below")
-            _need(_int(below), f"reclaim: bad step {below!r}")
-            _need(below > self.first_step, f"reclaim: steps below {below} are already gone")
-            _need(below <= self.watermark, f"reclaim: step {below} is above the watermark {self.watermark}")
-        elif kind == "rewind":
-            to: Any = r.get("to_step")
-            _need(_int(to, -1), f"rewind: bad step {to!r}")
-            _need(self.first_step - 1 <= to <= self.head, f"rewind: step {to} is not retained")
-        else:
-            raise _Reject(f"unknown record kind {kind!r}")
 
-    def _validate_commit(self, r: dict[str, Any]) -> None:
-        pid = r.get("producer")
-        p = self.producers.get(pid) if isinstance(pid, str) else None
-        _need(p is not None, f"commit: producer {pid!r} is not registered")
-        assert p is not None
-        epoch, seq = r.get("epoch"), r.get("seq")
-        _need(_int(epoch) and epoch == p.epoch, f"commit {pid}: epoch {epoch!r} is fenced by {p.epoch}")
-        _need(_int(seq) and seq == p.seq + 1, f"commit {pid}: seq {seq!r} is not the next ({p.seq + 1})")
-        _need("lost" not in r or _int(r["lost"]), f"commit {pid}: lost must be a count, not {r.get('lost')!r}")
-        tgbs: Any = r.get("tgbs")
-        _need(isinstance(tgbs, list) and len(tgbs) > 0, f"commit {pid}: tgbs must be a non-empty list")
-        assert self.config is not None
-        w = self.config.world_size
-        for t in tgbs:
-            _need(isinstance(t, dict), f"commit {pid}: a TGB must be an object")
-            _need(_segment_key(t.get("segment")), f"commit {pid}: bad segment key {t.get('segment')!r:.300}")
-            ranks = t.get("ranks")
-            _need(isinstance(ranks, list) and len(ranks) == w, f"commit {pid}: a TGB needs {w} rank slices")
-            # Slices tile the segment from offset 0 in rank order (as the codec writes them), hold at
-            # most a global batch, and have 32-bit checksums: whatever reads them may rely on it.
-            end = samples = 0
-            for rs in ranks:
-                _need(isinstance(rs, list) and len(rs) == 4 and all(_int(x) for x in rs),
-                      f"commit {pid}: bad rank slice {rs!r:.100}")  # fmt: skip
-                offset, length, crc, n = rs
-                _need(offset == end and length < 1 << 62 and crc < 1 << 32,
-                      f"commit {pid}: rank slice {rs!r} does not follow the previous one at {end}")  # fmt: skip
-                end += length
-                samples += n
-            _need(0 < samples <= self.config.global_batch,
-                  f"commit {pid}: a TGB of {samples} samples (global batch {self.config.global_batch})")  # fmt: skip
+async def create_stream(store: ObjectStore, config: Config, *, wall: Callable[[], float] = time.time) -> bool:
+    """Create the stream; True if created, False if it existed with the same config.
 
-    def _apply(self, version: int, r: dict[str, Any]) -> None:
-        self._validate(version, r)
-        kind = r["kind"]
-        if kind == "create":
-            self.config = Config.from_dict(r["config"])
-        elif kind == "register":
-            p = self.producers.setdefault(r["producer"], ProducerState())
-            p.epoch, p.token, p.last_ts = r["epoch"], r["token"], _ts(r)
-        elif kind == "commit":
-            p = self.producers[r["producer"]]
-            ts = _ts(r)
-            for i, t in enumerate(r["tgbs"]):
-                self.steps.append(
-                    Step(
-                        step=self.head + 1,
-                        version=version,
-                        segment=t["segment"],
-                        producer=r["producer"],
-                        epoch=r["epoch"],
-                        seq=r["seq"] + i,
-                        ranks=tuple(RankSlice(*x) for x in t["ranks"]),
-                        cursor=t.get("cursor"),
-                        ts=ts,
-                    )  # fmt: skip
-                )
-                p.cursor = t.get("cursor")
-            p.seq = r["seq"] + len(r["tgbs"]) - 1
-            p.last_ts = ts
-            p.lost = r.get("lost", 0)
-            p.commits += 1
-            p.tgbs += len(r["tgbs"])
-        elif kind == "checkpoint":
-            self.checkpoints.append(Checkpoint(r["id"], r["step"], version))
-            assert self.config is not None
-            if self.config.keep_checkpoints:
-                del self.checkpoints[: -self.config.keep_checkpoints]
-        elif kind == "release":
-            self.checkpoints = [c for c in self.checkpoints if c.id != r["id"]]
-        elif kind == "reclaim":
-            below = r["below"]
-            for s in self.steps[: below - self.first_step]:
-                self.producers[s.producer].base_cursor = s.cursor
-            del self.steps[: below - self.first_step]
-            self.first_step = below
-        elif kind == "rewind":
-            to = r["to_step"]
-            del self.steps[to + 1 - self.first_step :]
-            self.checkpoints = [c for c in self.checkpoints if c.step <= to]
-            self.rewinds += 1
-            # Every producer is fenced and resumes from its cursor as of step `to`.
-            last: dict[str, Step] = {}
-            for s in self.steps:
-                last[s.producer] = s
-            for pid, p in self.producers.items():
-                newest = last.get(pid)
-                p.epoch += 1
-                p.token = ""
-                p.cursor = newest.cursor if newest else p.base_cursor
-                # Sequence numbers keep rising so that discarded TGBs are never mistaken for new ones.
-
-    def copy(self) -> State:
-        """An independent copy; O(steps) pointer copies, steps themselves are immutable."""
-        return State(
-            version=self.version, config=self.config, first_step=self.first_step, steps=list(self.steps),
-            producers={k: ProducerState(**v.to_dict()) for k, v in self.producers.items()},
-            checkpoints=[Checkpoint(c.id, c.step, c.version) for c in self.checkpoints],
-            rewinds=self.rewinds, rejected=list(self.rejected),
-        )  # fmt: skip
-
-    # -- snapshots -----------------------------------------------------------------------------
-
-    def to_json(self) -> bytes:
-        """The whole state as a snapshot: deterministic bytes, sealed with a checksum.
-
-        The bytes are `to_dict()` as compact JSON with sorted keys, plus a last member `sha256`:
-        the hex SHA-256 of those bytes (`from_json` recomputes it over what it parsed).
-        """
-        body = orjson.dumps(self.to_dict(), option=orjson.OPT_SORT_KEYS)
-        return body[:-1] + b',"sha256":"' + hashlib.sha256(body).hexdigest().encode() + b'"}'
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "config": self.config.to_dict() if self.config else None,
-            "first_step": self.first_step,
-            "steps": [s.to_list() for s in self.steps],
-            "producers": {k: self.producers[k].to_dict() for k in sorted(self.producers)},
-            "checkpoints": [[c.id, c.step, c.version] for c in self.checkpoints],
-            "rewinds": self.rewinds,
-            "rejected": [list(x) for x in self.rejected],
-        }
-
-    @classmethod
-    def from_json(cls, data: bytes) -> State:
-        """The state a snapshot holds. Raises ValueError (only) for anything that is not one.
-
-        A snapshot with a `sha256` member must match it: the SHA-256 of the object without that
-        member, as compact JSON with sorted keys. One without it (written before snapshots were
-        sealed) is accepted on its structure alone. Either way every field is checked for type and
-        range, and the invariants `apply` keeps are checked in O(steps): steps contiguous from
-        `first_step`, each naming a known producer with rising sequence numbers and the stream's
-        rank slices, checkpoints on retained steps, nothing newer than `version`.
-        """
-        try:
-            d = orjson.loads(data)
-        except orjson.JSONDecodeError as e:
-            raise ValueError(f"not a snapshot: not JSON ({e})") from None
-        if not isinstance(d, dict):
-            raise ValueError("not a snapshot: not a JSON object")
-        if "sha256" in d:
-            seal = d.pop("sha256")
-            try:
-                body = orjson.dumps(d, option=orjson.OPT_SORT_KEYS)
-            except orjson.JSONEncodeError as e:  # pragma: no cover - what orjson parsed, it writes
-                raise ValueError(f"not a snapshot: {e}") from None
-            if seal != hashlib.sha256(body).hexdigest():
-                raise ValueError("snapshot checksum mismatch: its sha256 does not match its content")
-        return _state_from_dict(d)
-
-    def check_last_record(self, data: bytes) -> str | None:
-        """Why this state cannot be the result of applying `data` (the log record at its version)
-        last, or None if it agrees with it.
-
-        This is how a snapshot is cross-checked against the log (`_log`): O(record) and one GET,
-        not a replay. It checks what the record at `version` did: a commit's TGBs are the last
-        steps (so a snapshot that drops or alters the newest steps is caught whenever its version
-        is a commit, which is where producers snapshot), a register's epoch and token, a
-        checkpoint, a release, a reclaim's first step, a rewind's head; a record this state
-        rejected must be its newest rejection.
-        """
-        v = self.version
-        try:
-            if self.rejected and self.rejected[-1][0] == v:
-                return None  # a no-op at v: nothing more to compare without the state before it
-            r = decode_record(data)
-            kind = r["kind"]
-            if kind == "create":
-                ok = v == 0 and self.config == Config.from_dict(r["config"]) and not self.steps
-            elif kind == "register":
-                p = self.producers.get(r["producer"])
-                ok = p is not None and p.epoch == r["epoch"] and p.token == r["token"] and p.last_ts == _ts(r)
-            elif kind == "commit":
-                p, tgbs = self.producers.get(r["producer"]), r["tgbs"]
-                n = len(tgbs)
-                tail = self.steps[-n:] if 0 < n <= len(self.steps) else []
-                ok = (
-                    p is not None and len(tail) == n and p.seq == r["seq"] + n - 1
-                    and p.cursor == tgbs[-1].get("cursor") and p.lost == r.get("lost", 0)
-                    and (n == len(self.steps) or self.steps[-n - 1].version < v)
-                    and all(
-                        s.version == v and s.producer == r["producer"] and s.epoch == r["epoch"]
-                        and s.seq == r["seq"] + i and s.segment == t["segment"] and s.ts == _ts(r)
-                        and [[x.offset, x.length, x.crc32, x.samples] for x in s.ranks] == t["ranks"]
-                        and s.cursor == t.get("cursor")
-                        for i, (s, t) in enumerate(zip(tail, tgbs, strict=True))
-                    )
-                )  # fmt: skip
-            elif kind == "checkpoint":
-                last = self.checkpoints[-1] if self.checkpoints else None
-                ok = last is not None and (last.id, last.step, last.version) == (r["id"], r["step"], v)
-            elif kind == "release":
-                ok = all(c.id != r["id"] for c in self.checkpoints)
-            elif kind == "reclaim":
-                ok = self.first_step == r["below"]
-            elif kind == "rewind":
-                ok = self.head == r["to_step"] and all(p.token == "" for p in self.producers.values())
-            else:
-                return f"the record at version {v} is a {kind!r:.40} record, which this state did not reject"
-        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
-            return f"the record at version {v} does not fit this state ({type(e).__name__}: {e})"
-        return None if ok else f"the state does not reflect the {kind} record at version {v}"
-
-
-# -- snapshot validation ---------------------------------------------------------------------------
-
-_STATE_KEYS = frozenset({"version", "config", "first_step", "steps", "producers", "checkpoints", "rewinds", "rejected"})
-_PRODUCER_KEYS = frozenset(ProducerState.__dataclass_fields__)
-_CONFIG_KEYS = frozenset(Config.__dataclass_fields__)
-
-
-def _bad(why: str) -> ValueError:
-    return ValueError(f"invalid snapshot: {why}")
-
-
-def _state_from_dict(d: dict[str, Any]) -> State:
-    """A State from a snapshot's parsed JSON, checking every field; raises ValueError.
-
-    O(steps x world size); messages are only formatted for the field that fails.
+    Raises ConfigMismatch naming every option that differs.
     """
-    if d.keys() != _STATE_KEYS:
-        raise _bad(f"members {sorted(d)!r:.200} are not {sorted(_STATE_KEYS)}")
-    version, first, rewinds = d["version"], d["first_step"], d["rewinds"]
-    for name, v in (("version", version), ("first_step", first), ("rewinds", rewinds)):
-        if not _int(v):
-            raise _bad(f"{name} {v!r:.40} is not a non-negative integer")
-    raw = d["config"]
-    if not (isinstance(raw, dict) and raw.keys() <= _CONFIG_KEYS):
-        raise _bad(f"config {raw!r:.200} is not a stream config")
-    try:
-        config = Config.from_dict(raw)
-    except (ValueError, TypeError) as e:
-        raise _bad(f"config: {e}") from None
+    record = {"kind": "create", "config": config.to_dict(), "ts": wall()}
+    if await store.put_if_absent(log_key(0), encode_record(record)):
+        return True
+    state = State()
+    state.apply(0, await store.get(log_key(0)))
+    if state.config is None:
+        raise ConfigMismatch(f"{store.url}: version 0 is not a valid create record: {state.rejected}")
+    have, want = state.config.to_dict(), config.to_dict()
+    diff = [f"{k}: stream has {have.get(k)!r}, asked for {want[k]!r}" for k in want if have.get(k) != want[k]]
+    if diff:
+        raise ConfigMismatch(f"{store.url}: a stream exists with another config: " + "; ".join(diff))
+    return False
 
-    producers: dict[str, ProducerState] = {}
-    if not isinstance(d["producers"], dict):
-        raise _bad("producers is not an object")
-    for pid, raw in d["producers"].items():
-        if not _PRODUCER_ID.match(pid):
-            raise _bad(f"bad producer id {pid!r:.140}")
-        if not (isinstance(raw, dict) and raw.keys() <= _PRODUCER_KEYS):
-            raise _bad(f"producer {pid}: {raw!r:.200} is not a producer")
-        p = ProducerState(**raw)
-        if not (
-            _int(p.epoch, 1) and _int(p.seq, -1) and isinstance(p.token, str) and type(p.last_ts) is float
-            and _int(p.commits) and _int(p.tgbs) and _int(p.lost) and p.tgbs == p.seq + 1 and p.commits <= p.tgbs
-        ):  # fmt: skip
-            raise _bad(f"producer {pid}: bad epoch, seq, token, last_ts, commits, tgbs or lost in {raw!r:.300}")
-        producers[pid] = p
 
-    steps: list[Step] = []
-    if not isinstance(d["steps"], list):
-        raise _bad("steps is not a list")
-    last_seq: dict[str, int] = {}
-    last_version, world, batch = 1, config.world_size, config.global_batch
-    for i, raw in enumerate(d["steps"]):
-        n = first + i
-        if not (isinstance(raw, list) and len(raw) == 9):
-            raise _bad(f"step {n}: {raw!r:.200} is not a 9-item list")
-        step, sv, segment, pid, epoch, seq, ranks, cursor, ts = raw
-        if not (type(step) is int and step == n):
-            raise _bad(f"entry {i} is step {step!r:.40}, not {n}: steps are contiguous from first_step {first}")
-        if not (_int(sv) and last_version <= sv <= version):
-            raise _bad(f"step {n}: version {sv!r:.40} is not in {last_version}..{version}")
-        if not (isinstance(segment, str) and segment.startswith("segments/")):
-            raise _bad(f"step {n}: bad segment key {segment!r:.200}")
-        owner = producers.get(pid) if isinstance(pid, str) else None
-        if owner is None:
-            raise _bad(f"step {n}: producer {pid!r:.140} is not among the producers")
-        if not (_int(epoch, 1) and epoch <= owner.epoch):
-            raise _bad(f"step {n}: epoch {epoch!r:.40} is not in 1..{owner.epoch}")
-        low = last_seq.get(pid, -1)
-        if not (_int(seq) and low < seq <= owner.seq):
-            raise _bad(f"step {n}: seq {seq!r:.40} is not in {low + 1}..{owner.seq} of producer {pid}")
-        if type(ts) is not float:
-            raise _bad(f"step {n}: ts {ts!r:.40} is not a number")
-        if not (isinstance(ranks, list) and len(ranks) == world):
-            raise _bad(f"step {n}: not {world} rank slices")
-        end = samples = 0
-        slices = []
-        for rs in ranks:
-            if type(rs) is not list or len(rs) != 4:
-                raise _bad(f"step {n}: bad rank slice {rs!r:.100}")
-            off, length, crc, k = rs
-            if not (
-                type(off) is int and type(length) is int and type(crc) is int and type(k) is int
-                and off == end and length >= 0 and 0 <= crc < 1 << 32 and k >= 0
-            ):  # fmt: skip
-                raise _bad(f"step {n}: bad rank slice {rs!r:.100} (slices tile the segment from offset 0)")
-            end += length
-            samples += k
-            slices.append(RankSlice(off, length, crc, k))
-        if not 0 < samples <= batch:
-            raise _bad(f"step {n}: {samples} samples (global batch {batch})")
-        last_seq[pid], last_version = seq, sv
-        steps.append(Step(n, sv, segment, pid, epoch, seq, tuple(slices), cursor, ts))
-    head = first + len(steps) - 1
+class Manifest:
+    """A live view of one stream's manifest. One task appends at a time; others may refresh."""
 
-    checkpoints: list[Checkpoint] = []
-    if not isinstance(d["checkpoints"], list):
-        raise _bad("checkpoints is not a list")
-    ids: set[str] = set()
-    for raw in d["checkpoints"]:
-        if not (isinstance(raw, list) and len(raw) == 3):
-            raise _bad(f"checkpoint {raw!r:.200} is not [id, step, version]")
-        cid, step, cv = raw
-        prev = checkpoints[-1] if checkpoints else Checkpoint("", first, 0)
-        if not (isinstance(cid, str) and 0 < len(cid) <= 256 and cid not in ids):
-            raise _bad(f"bad or repeated checkpoint id {cid!r:.300}")
-        if not (_int(step) and prev.step <= step <= head and _int(cv) and prev.version < cv <= version):
-            raise _bad(f"checkpoint {cid}: step {step!r:.40} or version {cv!r:.40} out of order or not retained")
-        ids.add(cid)
-        checkpoints.append(Checkpoint(cid, step, cv))
-    if config.keep_checkpoints and len(checkpoints) > config.keep_checkpoints:
-        raise _bad(f"{len(checkpoints)} checkpoints, the stream keeps {config.keep_checkpoints}")
+    def __init__(
+        self,
+        store: ObjectStore,
+        *,
+        lease: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        retries: int | None = 8,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.store = store
+        self.retries = retries  # None: retry transient failures for as long as it takes
+        self._attempts = None if retries is None else 6  # of each read
+        self.rng = rng or random.Random()
+        self.state = State()
+        self.lease = lease
+        self.clock = clock
+        self.wall = wall
+        self.confirmed_at = -math.inf  # clock() when the tail was last confirmed
+        self.requests = 0  # store requests made for the log (for cost accounting)
+        self.last_conflicts = 0
+        self.last_probe_latency = 0.0  # the read round that found the tail, last time
+        self.last_put_latency = 0.0  # the last conditional put
+        self.problems: list[str] = []  # snapshots the last load skipped as bad (see `read_snapshot`)
+        self._missing = ""  # the snapshot the hint named, if the last load did not find it
+        self._refreshing = anyio.Lock()
+        # Called with the state after each version it applies (tools that must see every step,
+        # even one that a rewind discards within the same refresh).
+        self.on_apply: Callable[[State], None] | None = None
+        # The log's growth rate (versions per second, decayed over RATE_HORIZON), from which a
+        # refresh guesses how many versions to read in its first parallel round.
+        self._seen = (-1, -math.inf)  # (version, clock) at the last confirmed tail
+        self._versions = 0.0
+        self._seconds = 0.0
 
-    rejected: list[tuple[int, str]] = []
-    if not isinstance(d["rejected"], list):
-        raise _bad("rejected is not a list")
-    for raw in d["rejected"]:
-        low = rejected[-1][0] + 1 if rejected else 0
-        if not (isinstance(raw, list) and len(raw) == 2 and _int(raw[0]) and low <= raw[0] <= version):
-            raise _bad(f"rejection {raw!r:.200} is not [version, why] in version order")
-        if not isinstance(raw[1], str):
-            raise _bad(f"rejection {raw!r:.200} is not [version, why]")
-        rejected.append((raw[0], raw[1]))
+    @property
+    def url(self) -> str:
+        return self.store.url
 
-    return State(version, config, first, steps, producers, checkpoints, rewinds, rejected)
+    # -- reading -------------------------------------------------------------------------------
+
+    async def _get(self, key: str) -> bytes | None:
+        return await retry(lambda: _get_or_none(self.store, key), attempts=self._attempts)
+
+    async def load(self) -> State:
+        """(Re)build the state from the newest usable snapshot and the log after it.
+
+        Raises StreamNotFound if the stream was never created, CorruptData if no usable snapshot
+        covers a hole in the log (versions missing below others that exist).
+        """
+        started = self.clock()
+        self.problems = []
+        self._missing = ""
+        state, hinted = await self._newest_snapshot()
+        self.state = state or State()
+        self.confirmed_at = started  # the hint is as fresh as the moment it was read (rule 1)
+        await self.refresh()
+        if not hinted:
+            await self._check_log_is_whole()
+        if self.state.version < 0:
+            raise StreamNotFound(f"{self.url}: no stream here (no {log_key(0)})")
+        return self.state
+
+    async def read_snapshot(self, version: int) -> State:
+        """The snapshot at `version`, checked (see the module docstring).
+
+        Raises ObjectNotFound if there is none, CorruptData naming it if it fails a check.
+        """
+        key = snapshot_key(version)
+        data = await self._get(key)
+        self.requests += 1
+        if data is None:
+            raise ObjectNotFound(f"{self.url}: no snapshot {key}")
+        record = await self._get(log_key(version))
+        self.requests += 1
+        try:
+            state = await anyio.to_thread.run_sync(State.from_json, data)
+        except ValueError as e:
+            raise CorruptData(f"{self.url}: snapshot {key} is unusable: {e}") from None
+        if state.version != version:
+            raise CorruptData(f"{self.url}: snapshot {key} holds the state at version {state.version}, not {version}")
+        if record is None:
+            raise CorruptData(f"{self.url}: snapshot {key}: the log version it covers ({log_key(version)}) is missing")
+        why = state.check_last_record(record)
+        if why is not None:
+            raise CorruptData(f"{self.url}: snapshot {key} disagrees with {log_key(version)}: {why}")
+        return state
+
+    def _skip(self, e: CorruptData) -> None:
+        log.warning("%s; falling back to an older snapshot or the log", e)
+        self.problems.append(str(e))
+
+    async def _newest_snapshot(self) -> tuple[State | None, bool]:
+        """The newest usable snapshot, and whether it is the one the hint names."""
+        hint = await self._get(HINT_KEY)
+        self.requests += 1
+        tried = None
+        if hint is not None:
+            try:
+                tried = orjson.loads(hint)["version"]
+            except (ValueError, KeyError, TypeError):
+                pass
+            if type(tried) is not int or tried < 0:
+                log.warning("%s: ignoring the unreadable snapshot hint %s: %r", self.url, HINT_KEY, hint[:100])
+                tried = None
+        if tried is not None:
+            try:
+                return await self.read_snapshot(tried), True
+            except ObjectNotFound:
+                self._missing = f"the hint names {snapshot_key(tried)}, which does not exist"
+                log.info("%s: %s", self.url, self._missing)
+            except CorruptData as e:
+                self._skip(e)
+        return await self._newest_listed_snapshot(skip=tried), False
+
+    async def _newest_listed_snapshot(self, skip: int | None = None) -> State | None:
+        keys = await retry(lambda: self.store.list(SNAPSHOT_PREFIX), attempts=self._attempts)
+        self.requests += 1
+        versions = sorted((v for k in keys if (v := _version_of(k)) is not None and v != skip), reverse=True)
+        for v in versions:
+            try:
+                return await self.read_snapshot(v)
+            except ObjectNotFound:
+                continue  # deleted since the listing (log clean-up): an older one may still be there
+            except CorruptData as e:
+                self._skip(e)
+        return None
+
+    async def audit_snapshots(self) -> list[str]:
+        """Replay the retained log through every stored snapshot and compare; the problems found.
+
+        What `read_snapshot`'s cheap checks cannot see (a snapshot forged with a recomputed checksum
+        yet consistent with its own log record) a replay does. The replay starts at version 0 if
+        the log below the oldest snapshot is whole, else at the oldest snapshot that passes its
+        checks. O(retained log) GETs, like `verify`, which runs it.
+        """
+        listed = await retry(lambda: self.store.list(SNAPSHOT_PREFIX))
+        snaps = sorted(v for k in listed if (v := _version_of(k)) is not None)
+        logs = {v for k in await retry(lambda: self.store.list(LOG_PREFIX)) if (v := _version_of(k)) is not None}
+        problems: list[str] = []
+        replay = Manifest(self.store, lease=math.inf, clock=self.clock)  # never jumps to a snapshot
+        if snaps and not all(v in logs for v in range(snaps[0])):
+            for v in snaps:
+                try:
+                    replay.state = await self.read_snapshot(v)
+                    break
+                except (ObjectNotFound, CorruptData) as e:
+                    problems.append(str(e))
+        seen: dict[int, tuple[bytes, int, int]] = {}  # version: (digest, first step, head) of the replay
+        wanted = set(snaps)
+
+        def look(st: State) -> None:
+            if st.version in wanted:
+                seen[st.version] = (hashlib.sha256(st.to_json()).digest(), st.first_step, st.head)
+
+        replay.on_apply = look
+        await replay.refresh()
+        for v, (digest, first, head) in sorted(seen.items()):
+            key = snapshot_key(v)
+            data = await self._get(key)
+            try:
+                stored = None if data is None else await anyio.to_thread.run_sync(State.from_json, data)
+            except ValueError as e:
+                problems.append(f"{self.url}: snapshot {key} is unusable: {e}")
+                continue
+            if stored is not None and hashlib.sha256(stored.to_json()).digest() != digest:
+                problems.append(
+                    f"{self.url}: snapshot {key} differs from the replay of the log to version {v} (it holds "
+                    f"steps {stored.first_step}..{stored.head}, the log {first}..{head})"
+                )
+        for v in snaps:
+            if v > replay.state.version:
+                problems.append(f"{self.url}: snapshot {snapshot_key(v)} is past the log's tail {replay.state.version}")
+        return problems
+
+    async def _check_log_is_whole(self) -> None:
+        """Raise CorruptData if log versions exist above the one where reading stopped."""
+        keys = await retry(lambda: self.store.list(LOG_PREFIX), attempts=self._attempts)
+        self.requests += 1
+        versions = {v for k in keys if (v := _version_of(k)) is not None}
+        missing = self.state.version + 1
+        above = max(versions, default=-1)
+        if above > missing and missing not in versions:
+            why = "".join(f"; {x}" for x in (self._missing, *self.problems) if x)
+            raise CorruptData(
+                f"{self.url}: the log has a hole: version {missing} ({log_key(missing)}) is missing while "
+                f"versions up to {above} exist, and no usable snapshot covers it{why}"
+            )
+
+    async def refresh(self, window: int | None = None) -> int:
+        """Apply every version written since the last call; the number applied.
+
+        Reads forward in parallel windows that double while versions keep coming, so catching up
+        on a long log costs O(log) round trips. The first window is `window`, or else the number
+        of versions usually found (an EWMA), so a caller at the tail pays one GET and a producer
+        among N others about one round trip of N GETs. A small `window` confirms a tail that was
+        just caught up with (one GET when nothing new landed), without the catch-up's slowest GET.
+        """
+        async with self._refreshing:  # one reader of the log at a time: versions apply in order
+            return await self._refresh(window)
+
+    async def _refresh(self, first: int | None) -> int:
+        applied = 0
+        if self.clock() - self.confirmed_at > self.lease / 2:
+            # Rule 2 for readers too: a view this old may sit below a log clean-up.
+            state = await self._newest_listed_snapshot()
+            if state is not None and state.version > self.state.version:
+                self.state = state
+                applied += 1
+        window = max(1, min(MAX_WINDOW, first or self._expected()))
+        found = 0
+        while True:
+            started = self.clock()
+            base = self.state.version + 1
+            results: list[bytes | None] = [None] * window
+
+            async def fetch(i: int) -> None:
+                results[i] = await self._get(log_key(base + i))
+
+            async with task_group() as tg:
+                for i in range(window):
+                    tg.start_soon(fetch, i)
+            self.requests += window
+            for i, data in enumerate(results):
+                if data is None:
+                    self.last_probe_latency = self.clock() - started
+                    self.confirmed_at = started
+                    self._observe_growth(started)
+                    return applied
+                self.state.apply(base + i, data)
+                if self.on_apply is not None:
+                    self.on_apply(self.state)
+                applied += 1
+                found += 1
+            window = min(window * 2, MAX_WINDOW)
+
+    def _observe_growth(self, now: float) -> None:
+        version, at = self._seen
+        if version >= 0 and now > at:
+            decay = math.exp(-(now - at) / RATE_HORIZON)
+            self._versions = self._versions * decay + (self.state.version - version)
+            self._seconds = self._seconds * decay + (now - at)
+        self._seen = (self.state.version, now)
+
+    def _expected(self) -> int:
+        """Versions likely written since the tail was last confirmed (at least one GET)."""
+        version, at = self._seen
+        if self._seconds <= 0 or version != self.state.version:
+            return 1
+        return math.ceil(self._versions / self._seconds * (self.clock() - at))
+
+    # -- writing -------------------------------------------------------------------------------
+
+    async def append(
+        self,
+        build: Callable[[State], dict[str, Any] | None],
+        *,
+        fresh: bool = False,
+        conflict_delay: Callable[[int], float] | None = None,
+    ) -> int | None:
+        """Append `build(state)` at the next version, rebuilding it after every lost race.
+
+        `build` sees the state the record will follow and returns the record, or None when
+        nothing is left to do (for example, an earlier ambiguous put already landed). It may
+        raise to abort (a fenced producer does). Returns the version written, or None.
+        A put whose answer is lost (StoreUnavailable) is retried `retries` times with backoff;
+        the retry reads the log first, so a put that did land is recognised, not repeated.
+        `fresh` reads the log to its tail before the first put ("listen before talk");
+        `conflict_delay(n)` is how long to wait after the n-th lost race. `last_conflicts` counts
+        the lost races of the latest call.
+        """
+        failures = 0
+        self.last_conflicts = 0
+        while True:
+            try:
+                if fresh or failures or self.clock() - self.confirmed_at > self.lease / 2:
+                    await self.refresh()
+                if fresh:
+                    # Listen before talk: the catch-up above waits for its slowest GET, and others
+                    # may commit meanwhile; one more GET right before the put narrows the window
+                    # in which a put can meet another to a single round trip.
+                    fresh = False
+                    await self.refresh(window=1)
+                record = build(self.state)
+                if record is None:
+                    return None
+                why = self.state.check(record)
+                if why is not None:
+                    raise ValueError(f"{self.url}: refusing to write a record that would be a no-op: {why}")
+                version = self.state.version + 1
+                data = encode_record(record)
+                self.requests += 1
+                put_started = self.clock()
+                won = await self.store.put_if_absent(log_key(version), data)
+                self.last_put_latency = self.clock() - put_started
+            except StoreUnavailable as e:
+                failures += 1
+                if self.retries is not None and (e.retried or failures > self.retries):
+                    raise
+                await anyio.sleep(min(0.05 * 2 ** min(failures, 16), 2.0) * (0.5 + self.rng.random()))
+                continue
+            if not won:
+                self.last_conflicts += 1
+                if conflict_delay is not None and (wait := conflict_delay(self.last_conflicts)) > 0:
+                    await anyio.sleep(wait)
+                await self.refresh(window=1)  # usually one version, the winner's
+                continue
+            if self.clock() - self.confirmed_at > self.lease / 2:
+                # Rule 3: too long since the tail was confirmed to take the success at its word.
+                self.confirmed_at = -math.inf
+                await self.refresh()
+                continue
+            async with self._refreshing:  # a refresh in another task may have applied it already
+                if self.state.version < version:
+                    self.state.apply(version, data)
+                    if self.on_apply is not None:
+                        self.on_apply(self.state)
+                self.confirmed_at = self.clock()
+                self._observe_growth(self.confirmed_at)
+            return version
+
+    async def write_snapshot(self, state_json: bytes, version: int) -> None:
+        """Store a snapshot (same bytes from every writer) and point the hint at it."""
+        await self.store.put(snapshot_key(version), state_json)
+        await self.store.put(HINT_KEY, orjson.dumps({"version": version}))
+        self.requests += 2

@@ -6,7 +6,7 @@
 A producer registers with a new epoch (fencing every older incarnation of its id), reads the cursor
 of its last committed TGB and resumes its source there. Each TGB gets the next sequence number of
 the producer; the committer commits the ready prefix of its TGBs in order, and learns from the
-manifest itself which of them landed (see `_manifest`), so an ambiguous put is never repeated.
+manifest itself which of them landed (see `_state`), so an ambiguous put is never repeated.
 Errors of background work surface at the next `put`, `flush` or `close`.
 """
 
@@ -26,12 +26,12 @@ import anyio.to_thread
 import orjson
 
 from ._batching import assign_ranks
-from ._dac import AttemptOutcome, CommitPolicy, Observation, make_policy
 from ._errors import InvalidSample, ObjectNotFound, ProducerFenced, SegmentLost
-from ._log import Manifest
-from ._manifest import State
+from ._manifest import Manifest
+from ._pacing import AttemptOutcome, CommitPolicy, Observation, make_policy
 from ._retry import retry
 from ._segment import EncodedSample, dump_json, encode_sample, encode_segment
+from ._state import State
 from ._store import ObjectStore
 from ._tasks import cancel_task_group, enter_task_group
 

@@ -18,10 +18,10 @@ import anyio
 import anyio.to_thread
 
 from ._errors import ConfigMismatch, CorruptData, ObjectNotFound, StepUnavailable
-from ._log import Manifest
-from ._manifest import State, Step
+from ._manifest import Manifest
 from ._retry import retry
 from ._segment import FieldRef, check_slice, decode_slice, index_slice
+from ._state import State, Step
 from ._store import ObjectStore
 from ._tasks import cancel_task_group, enter_task_group
 

@@ -14,10 +14,10 @@ from typing import Any
 import anyio
 
 from ._errors import CorruptData, ObjectNotFound
-from ._log import LOG_PREFIX, _version_of
-from ._manifest import State, Step
+from ._manifest import LOG_PREFIX, _version_of
 from ._retry import retry
 from ._segment import check_slice, index_slice
+from ._state import State, Step
 from ._store import ObjectStore
 from ._tasks import task_group
 

@@ -24,7 +24,7 @@ from cliutil import (
 )
 
 import lakestream
-from lakestream._log import log_key
+from lakestream._manifest import log_key
 
 
 def file_url(path: Path) -> str:
@@ -327,7 +327,7 @@ def test_a_malformed_log_record_is_reported_and_skipped(produced: tuple[str, dic
 
 
 def test_a_commit_record_with_a_float_seq_is_rejected(produced: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
-    """A record of the wrong schema is a no-op that status and verify report (see `_manifest`).
+    """A record of the wrong schema is a no-op that status and verify report (see `_state`).
 
     Fails (library bug): `epoch` and `seq` are compared with `==`, so `6.0` (or `true` for 1)
     passes for the integer due; the record takes effect, the producer's seq becomes a float, and

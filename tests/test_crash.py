@@ -26,8 +26,8 @@ import pytest
 from cliutil import cursor_position, describe, make_source_dir, read_out_dir, run_cli, spawn_cli
 
 import lakestream
-from lakestream._log import SNAPSHOT_PREFIX, log_key
-from lakestream._manifest import State
+from lakestream._manifest import SNAPSHOT_PREFIX, log_key
+from lakestream._state import State
 
 REGISTERED = re.compile(r"producer (\S+) registered epoch (\d+), resuming at (.*)")  # the cursor as JSON
 

@@ -17,7 +17,7 @@ from lakestream import (
     ProducerFenced,
     StreamNotFound,
 )
-from lakestream._log import Manifest, log_key, snapshot_key
+from lakestream._manifest import Manifest, log_key, snapshot_key
 from lakestream._producer import Producer
 from lakestream._store import FileStore, MemoryStore
 from lakestream.testing import FaultyStore

@@ -18,7 +18,7 @@ from cliutil import describe, run_cli
 
 import lakestream
 from lakestream import CorruptData, InvalidSample, StoreUnavailable
-from lakestream._log import log_key
+from lakestream._manifest import log_key
 from lakestream._segment import MAGIC
 from lakestream._store import MemoryStore
 

@@ -24,8 +24,8 @@ from mountutil import MountProc, read_tree
 
 import lakestream
 from lakestream import CorruptData, State
-from lakestream._log import HINT_KEY, LOG_PREFIX, Manifest, log_key, snapshot_key
-from lakestream._manifest import encode_record
+from lakestream._manifest import HINT_KEY, LOG_PREFIX, Manifest, log_key, snapshot_key
+from lakestream._state import encode_record
 
 W, B = 2, 4
 

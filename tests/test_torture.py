@@ -20,7 +20,7 @@ import pytest
 import torture
 
 import lakestream
-from lakestream._log import log_key
+from lakestream._manifest import log_key
 from lakestream._store import MemoryStore
 from lakestream.testing import FaultyStore
 

@@ -1115,7 +1115,7 @@ class Torture:
         from cliutil import make_source_dir
 
         import lakestream
-        from lakestream._log import Manifest
+        from lakestream._manifest import Manifest
 
         cfg = self.cfg
         t_start = time.monotonic()

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from lakestream import Config, State
-from lakestream._manifest import encode_record
+from lakestream._state import encode_record
 
 W = 2
 

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lakestream
-from lakestream._dac import (
+from lakestream._pacing import (
     AttemptOutcome,
     BackoffPolicy,
     DacPolicy,
