@@ -6,24 +6,23 @@ default 'us-east-1'), each overridable by keyword. Addressing is path-style, so 
 server works. `put_if_absent` is a conditional PutObject (`If-None-Match: *`).
 
 Retries are ours alone (botocore's are off): throttling, 5xx, connection errors and timeouts are
-retried with jittered exponential backoff within `max_attempts` and `retry_timeout` seconds, then
-raise StoreUnavailable. Every botocore error becomes a Lakestream StoreError in `_error`.
+retried by `_retry.retry` with jittered exponential backoff (`S3_BACKOFF`) within `max_attempts`
+and `retry_timeout` seconds, then raise StoreUnavailable. Every botocore error becomes a Lakestream StoreError in `_error`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import functools
 import os
-import random
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import aiobotocore.session
+import anyio
 import anyio.to_thread
 from aiobotocore.config import AioConfig
 from botocore.exceptions import (
@@ -37,6 +36,7 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from .._errors import AccessDenied, BucketNotFound, ObjectNotFound, StoreError, StoreUnavailable
+from .._retry import Backoff, RandomSource, retry
 
 __all__ = ["S3Store"]
 
@@ -72,6 +72,7 @@ _DENIED_CODES = frozenset(
     }
 )
 _BATCH = 1000  # DeleteObjects limit
+S3_BACKOFF = Backoff(first=0.1, cap=2.0, jitter=0.5)  # waits of 0.05–0.1 s, doubling to 1–2 s
 
 
 def _code_status(e: ClientError) -> tuple[str, int]:
@@ -87,6 +88,10 @@ def _retryable(e: BaseException) -> bool:
     return isinstance(e, _TRANSIENT)
 
 
+def _retryable_botocore(e: Exception) -> bool:
+    return isinstance(e, (ClientError, BotoCoreError)) and _retryable(e)
+
+
 class S3Store:
     """An object store rooted at `s3://bucket/prefix`; keys are relative to the prefix.
 
@@ -95,6 +100,7 @@ class S3Store:
     `max_pool_connections` (64), `connect_timeout` (5 s), `read_timeout` (60 s),
     `max_attempts` (50) and `retry_timeout` (10 s) for our retries: a call gives up when either
     runs out, so with the defaults it is the time (a throttled store is retried for the full 10 s).
+    `clock`, `sleep` and `rng` time and space those retries (tests inject fakes).
     The client is created on first use; `aclose()` releases it (a later call opens a new one).
     """
 
@@ -113,6 +119,9 @@ class S3Store:
         read_timeout: float = 60.0,
         max_attempts: int = 50,
         retry_timeout: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+        rng: RandomSource | None = None,
     ) -> None:
         if not bucket or "/" in bucket:
             raise ValueError(f"invalid S3 bucket name {bucket!r}")
@@ -146,6 +155,7 @@ class S3Store:
         )
         self.max_attempts = max(1, max_attempts)
         self.retry_timeout = retry_timeout
+        self.clock, self.sleep, self.rng = clock, sleep, rng
         # A guess for messages until the client resolves it (botocore reads the same variables).
         self.endpoint_url: str = (
             endpoint_url
@@ -155,7 +165,7 @@ class S3Store:
         )
         self._client: Any = None
         self._stack = contextlib.AsyncExitStack()
-        self._lock = asyncio.Lock()
+        self._lock = anyio.Lock()
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> S3Store:
@@ -232,20 +242,28 @@ class S3Store:
 
     async def _run(self, op: str, key: str | None, attempt: Callable[[Any], Awaitable[T]]) -> T:
         """`attempt(client)` with our retries; botocore errors leave here translated."""
-        start = time.monotonic()
+        start = self.clock()
         n = 0
-        while True:
+
+        async def once() -> T:
+            nonlocal n
             n += 1
             self.requests += 1
-            try:
-                return await attempt(await self._get_client())
-            except (ClientError, BotoCoreError) as e:
-                elapsed = time.monotonic() - start
-                delay = min(2.0, 0.1 * 2 ** (n - 1))
-                delay = delay / 2 + random.uniform(0, delay / 2)
-                if not _retryable(e) or n >= self.max_attempts or elapsed + delay > self.retry_timeout:
-                    raise self._translate(e, key, op, n, elapsed) from e
-            await asyncio.sleep(delay)
+            return await attempt(await self._get_client())
+
+        try:
+            return await retry(
+                once,
+                attempts=self.max_attempts,
+                timeout=self.retry_timeout,
+                backoff=S3_BACKOFF,
+                transient=_retryable_botocore,
+                clock=self.clock,
+                sleep=self.sleep,
+                rng=self.rng,
+            )
+        except (ClientError, BotoCoreError) as e:
+            raise self._translate(e, key, op, n, self.clock() - start) from e
 
     # -- the protocol ----------------------------------------------------------------------------
 
@@ -350,7 +368,7 @@ class S3Store:
         """Close the client and its connections. Idempotent."""
         self._client = None
         stack, self._stack = self._stack, contextlib.AsyncExitStack()
-        self._lock = asyncio.Lock()
+        self._lock = anyio.Lock()
         await stack.aclose()
 
     async def __aenter__(self) -> S3Store:

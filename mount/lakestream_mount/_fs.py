@@ -58,6 +58,7 @@ import orjson
 import pyfuse3
 
 import lakestream
+from lakestream._retry import Backoff  # the library's one backoff policy (same distribution)
 
 from ._mounts import mounts_at
 
@@ -339,6 +340,8 @@ class LakeFS(pyfuse3.Operations):
         self.wait = wait
         self.poll_min, self.poll_max = poll_interval
         self.retry_min, self.retry_max = retry_interval
+        self.backoff = Backoff(first=self.retry_min, cap=self.retry_max, jitter=0.5)
+        self.rng = random.Random()
         self.cache = SliceCache(self._fetch, cache_size)
         self.uid, self.gid = os.getuid(), os.getgid()
         self.mounted_at = time.time_ns()
@@ -388,7 +391,7 @@ class LakeFS(pyfuse3.Operations):
                 except Exception as group:
                     failures += 1
                     e = _leaf(group)
-                    delay = min(self.retry_max, self.retry_min * 2 ** (failures - 1)) * random.uniform(0.5, 1.0)
+                    delay = self.backoff.delay(failures, self.rng)
                     self.follow_error = f"{type(e).__name__}: {e}"
                     if failures == 1 or failures % 10 == 0:
                         log.warning("cannot follow %s (failure %d; serving what the mount has, retrying in "
