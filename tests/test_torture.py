@@ -1,11 +1,12 @@
-"""The torture test, short version (the harness is `tests/torture.py`; run it standalone for a long
-run: `.venv/bin/python tests/torture.py --minutes 10`).
+"""The torture test, short version (the harness is the package `tests/torture/`; run it standalone
+for a long run: `.venv/bin/python tests/torture.py --minutes 10`).
 
 4 producer processes killed at random, Python and FUSE-mount readers of both ranks killed at random,
 the mount daemon killed, GC every few seconds, checkpoints, one rewind, injected store faults —
 all at once against the real S3 server — then every source record must be in exactly one step of
 the final history, every reader must have seen the same history, and the bytes left after a final
-GC must match the retained steps. See the harness's docstring for the details.
+GC must match the retained steps. See the harness's docstring (tests/torture/__init__.py) for the
+details, and tests/torture/checker.py for each check.
 
 Below it, fast in-memory reproductions of library bugs the torture test found.
 """
@@ -20,9 +21,8 @@ import pytest
 import torture
 
 import lakestream
-from lakestream._manifest import log_key
 from lakestream._store import MemoryStore
-from lakestream.testing import FaultyStore
+from lakestream.testing import FaultyStore, log_key
 
 MOUNT = os.path.exists("/dev/fuse") and os.access("/dev/fuse", os.R_OK | os.W_OK)
 

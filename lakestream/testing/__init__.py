@@ -6,20 +6,44 @@
 * `inject_faults(spec)` makes every store that `lakestream.open_store` opens from then on, in
   this process, a FaultyStore: how a test injects faults into a whole process (a CLI child, a
   producer or mount subprocess) that it starts with `python -m lakestream.testing SPEC ARGS…`.
-* `Manifest.on_apply` (a callback after each applied version) lets a checker see every version,
-  even a step that a rewind discards within one refresh.
+* `follower(store, on_apply=…)`: a Manifest that calls `on_apply(state)` after each version it
+  applies, so a checker sees every version, even a step that a rewind discards within one refresh.
+* `run_command(argv)` runs the `lakestream` command in this process; `lakestream_command()` is the
+  argv that runs it in a subprocess with this interpreter.
+* The store layout a test or benchmark looks at from outside: `LOG_PREFIX`, `SNAPSHOT_PREFIX`,
+  `log_key(version)`, `segment_upload_time(key)`; `write_synthetic_log` fills a fresh stream with
+  a long log of old producers' commits (a large manifest for benchmarks).
 """
 
 from __future__ import annotations
 
+import os
 import random
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 
+from .._layout import LOG_PREFIX, SNAPSHOT_PREFIX, log_key, parse_segment_key
+from .._manifest import Manifest
+from .._state import State
 from .._store import ObjectStore, set_store_wrapper
 from ._faulty import S3_LIKE, FaultyStore
 
-__all__ = ["S3_LIKE", "FaultyStore", "inject_faults", "parse_faults"]
+__all__ = [
+    "LOG_PREFIX",
+    "S3_LIKE",
+    "SNAPSHOT_PREFIX",
+    "FaultyStore",
+    "follower",
+    "inject_faults",
+    "lakestream_command",
+    "log_key",
+    "parse_faults",
+    "run_command",
+    "segment_upload_time",
+    "write_synthetic_log",
+]
 
 
 def parse_faults(spec: str) -> tuple[dict[str, float], int | None]:
@@ -52,12 +76,78 @@ def inject_faults(spec: str | None, configure: Callable[[FaultyStore], None] | N
     set_store_wrapper(wrap)
 
 
+def follower(store: ObjectStore, *, on_apply: Callable[[State], None] | None = None) -> Manifest:
+    """A Manifest of the stream on `store` (`load()`, `refresh()`, `.state`) that calls
+    `on_apply(state)` after each version it applies."""
+    manifest = Manifest(store)
+    manifest.on_apply = on_apply
+    return manifest
+
+
+def segment_upload_time(key: str) -> float | None:
+    """The upload time (Unix seconds) a segment key carries, or None if `key` is not one."""
+    parsed = parse_segment_key(key)
+    return parsed[3] if parsed else None
+
+
+def run_command(argv: list[str]) -> int:
+    """The `lakestream` command with `argv`, in this process: its exit status."""
+    from .._cli import main as cli
+
+    return cli(argv)
+
+
+def lakestream_command() -> list[str]:
+    """The argv prefix that runs the `lakestream` command with this interpreter: the console
+    script beside it, or the interpreter running `run_command`."""
+    script = Path(sys.executable).with_name("lakestream")
+    if script.exists() and os.access(script, os.X_OK):
+        return [str(script)]
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from lakestream.testing import run_command; sys.exit(run_command(sys.argv[1:]))",
+    ]
+
+
+async def write_synthetic_log(
+    store: ObjectStore, versions: int, *, producers: int = 64, age: float = 86_400.0
+) -> State:
+    """Append versions 1..`versions` to the fresh stream on `store` (version 0 only), straight to
+    the store: `producers` old producers register (`old00`, …), then commit one TGB each in turn,
+    all `age` seconds ago; then write a snapshot of the state at the tail. Returns that state.
+    For benchmarks of a large manifest: the segments the commits name do not exist."""
+    from .._records import CommitRecord, RegisterRecord, TgbRef, encode_record
+
+    state = State()
+    state.apply(0, await store.get(log_key(0)))
+    ts = time.time() - age
+    v = 1
+
+    async def put(record: RegisterRecord | CommitRecord) -> None:
+        nonlocal v
+        data = encode_record(record)
+        await store.put(log_key(v), data)
+        why = state.apply(v, data)
+        assert why is None, why
+        v += 1
+
+    for k in range(producers):
+        await put(RegisterRecord(producer=f"old{k:02d}", epoch=1, token=f"t{k}", ts=ts))
+    seq = [-1] * producers
+    while v <= versions:
+        k = v % producers
+        seq[k] += 1
+        tgb = TgbRef(segment=f"segments/old{k:02d}/1-{seq[k]}-0.tgb", ranks=((0, 1100, 0, 1),), cursor=seq[k] + 1)
+        await put(CommitRecord(producer=f"old{k:02d}", epoch=1, seq=seq[k], tgbs=(tgb,), ts=ts))
+    await Manifest(store).write_snapshot(state.to_json(), state.version)
+    return state
+
+
 def main(argv: list[str]) -> int:
     """`python -m lakestream.testing SPEC ARGS…`: the `lakestream` command with SPEC's faults."""
     if not argv:
         print("usage: python -m lakestream.testing ambiguous=P,fail=P,seed=N COMMAND [ARGS…]", file=sys.stderr)
         return 2
     inject_faults(argv[0])
-    from .._cli import main as cli
-
-    return cli(argv[1:])
+    return run_command(argv[1:])

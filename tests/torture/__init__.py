@@ -1,0 +1,68 @@
+"""Torture test: everything at once, against a real S3 server (SeaweedFS), then check the result.
+
+    .venv/bin/python tests/torture.py --minutes 10 [--seed N] [--keep] [--json FILE]
+    .venv/bin/python -m pytest tests/test_torture.py        # the short version (about a minute)
+
+What runs, concurrently, for the chaos phase:
+
+* 4 producers, `lakestream produce --from-dir` over 4 directories of small files with known bytes
+  (throttled with `--rate`), SIGKILLed at random moments and restarted with the same producer id;
+* trainer ranks (world size 2) reading every step in order, twice over: through the Python reader
+  (`open_reader`, one subprocess per rank) and through a FUSE mount (`lakestream mount`
+  subprocess, one plain-`open()` reader subprocess per rank). Every step a reader consumes is
+  journaled (step, manifest version, producer, keys, a hash of every field). Reader processes and
+  the mount daemon are SIGKILLed at random moments and restarted where their journal ends;
+* rank 0's role (this process): a checkpoint every 6 steps, once every reader has consumed the step;
+* `lakestream gc --orphan-grace G --force-grace` every few seconds (sometimes SIGKILLed half-way);
+  G is 30 s, below the 300 s floor on purpose, to stress the producers' re-check of held uploads
+  (5 s lost committed data in a long run; see docs/guarantees.md, "Torture test");
+* one `lakestream rewind --to-checkpoint` half-way: every producer is fenced (exits non-zero
+  with "fenced") and is restarted, resuming from its cursor as of the checkpoint; the Python
+  readers notice the rewind themselves (StepUnavailable) and the mount readers are restarted,
+  both from the checkpoint's step + 1;
+* injected store faults everywhere: in subprocesses through `LAKESTREAM_FAULTS`
+  (`lakestream.testing.inject_faults`: 503-like failures and ambiguous puts) plus a timeout hook
+  added by the harness's child wrapper (`torture.py cli ...`, which runs the `lakestream` command
+  and logs every injected fault); in this process through a FaultyStore wrapping the S3 store
+  (follower, checkpoints, final reads).
+
+Then a drain phase (no more chaos; producers restarted without a rate limit until their sources
+are exhausted, readers catch up), a final GC, and the checks:
+
+* the history (step -> version, producer, segment) observed by an in-process follower of the log is
+  gap-free and agrees with the final state and with `lakestream verify`;
+* every source record is in exactly one step of the final history, with its exact bytes, and each
+  producer's records are in source order with the right cursor at every step. The final history is
+  the reader-consumed steps below `first_step` (reclaimed by GC) plus the retained steps, read
+  again at the end;
+* every reader (both ranks, Python reader and mount) consumed every step of the final history, with
+  the same (version, producer, samples, bytes) for a given (step, version, rank); each reclaimed
+  step was consumed by every reader before the first checkpoint covering it was recorded;
+* no reader failed on a retained step; StepUnavailable only where a rewind discarded a step;
+* after the final GC, the bytes under `segments/` are within 10% of the retained steps' segment
+  bytes (sum of Step.nbytes); after a log clean-up (in-process gc with lease 0, everything stopped)
+  the whole stream prefix is too.
+
+Where each part lives:
+
+* `driver.py`: the chaos driver, the schedule of kills, the rewind, the trainer's checkpoints and
+  the GC cadence; the drain and the final GC; `run(cfg, url, env, workdir)` and `main(argv)`;
+* `roles.py`: the process roles as the harness runs them (producers, Python and mount readers,
+  the mount daemon, GC): how each is spawned, killed, restarted and journaled;
+* `children.py`: what runs inside the child processes, `torture.py cli ARGS...`,
+  `torture.py pyreader ...` and `torture.py mntreader ...`;
+* `context.py`: the configuration, and `Run`, the harness's view of the run (the follower's
+  history of the stream, what the readers journaled, counters and failures);
+* `checker.py`: one function per guarantee, named after it (`check_exactly_once`,
+  `check_gap_free_order`, `check_atomic_visibility`, `check_rewind_resumes_at_checkpoint`,
+  `check_storage_reclaimed`, ...), and the figures of the report.
+"""
+
+from __future__ import annotations
+
+from .checker import Report
+from .children import CHILD_MODES, child_main
+from .context import Config
+from .driver import main, run
+
+__all__ = ["CHILD_MODES", "Config", "Report", "child_main", "main", "run"]

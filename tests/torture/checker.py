@@ -1,0 +1,504 @@
+"""The checker: one function per guarantee (docs/guarantees.md), named after it, each returning the
+failures it found (an empty list: the guarantee held in this run).
+
+Checked while the run goes on, as the journals and the log come in:
+
+* `check_same_read` (atomic visibility): every read of one (step, version, rank) — by a Python
+  reader, through the mount, or the final read — has the same producer and the same bytes;
+* `check_rewind_resumes_at_checkpoint`: after the rewind the head is the checkpoint's step and
+  every producer's committed cursor is its cursor as of that step; `check_resume_after_rewind`:
+  the first incarnation of each producer registered after the rewind resumes there.
+
+Checked at the end (`check_all`, in this order):
+
+* `check_gap_free_order`: the follower saw every step of the final history, and its history agrees
+  with the final state; no log record was rejected;
+* `check_sources_finished`: every producer's final cursor is the end of its source;
+* `check_every_reader_consumed_the_final_history`;
+* `check_reclaimed_steps_were_consumed_first`: each step GC reclaimed was consumed by every reader
+  before the first checkpoint covering it was recorded;
+* `check_atomic_visibility`: everything a reader consumed is a TGB the log has, from the same
+  producer; the mount's `_meta.json` names the TGB the log has;
+* `check_exactly_once`: every source record is in exactly one step, with its bytes;
+* `check_source_order`: each producer's records are in source order, TGB by TGB, with the right
+  cursor at every step;
+* `check_readers_failed_only_on_discarded_steps`;
+* `check_storage_reclaimed`: after the final GC the segment bytes are those of the retained steps
+  (within 10%), and after a log clean-up the whole stream prefix is;
+* `check_verify_passes`: `lakestream verify`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cliutil import cursor_position
+
+from .children import digest, sample_fields
+from .context import REGISTERED, Run
+
+if TYPE_CHECKING:
+    from .roles import ProducerSlot
+
+__all__ = ["Report", "check_all", "cursor_position", "figures"]
+
+
+@dataclass
+class Report:
+    ok: bool
+    failures: list[str]
+    warnings: list[str]
+    figures: dict[str, Any]
+    workdir: str
+
+    def summary(self) -> str:
+        f = self.figures
+        lines = [
+            f"torture: {'OK' if self.ok else 'FAILED'}  seed {f.get('seed')}  duration {f.get('duration_s', 0):.1f} s "
+            f"(chaos {f.get('chaos_s', 0):.1f} s, drain {f.get('drain_s', 0):.1f} s, "
+            f"checks {f.get('check_s', 0):.1f} s)",
+        ]
+        for k, v in f.items():
+            if k not in ("seed",):
+                lines.append(f"  {k}: {v}")
+        for w in self.warnings:
+            lines.append(f"  WARNING: {w}")
+        for x in self.failures:
+            lines.append(f"  FAIL: {x}")
+        return "\n".join(lines)
+
+
+def journal_digest(samples: list[Any]) -> str:
+    """What two reads of one (step, version, rank) are compared by."""
+    return digest(json.dumps(samples, separators=(",", ":")).encode())
+
+
+# =================================================================================================
+# While the run goes on
+# =================================================================================================
+
+
+def check_same_read(
+    run: Run, key: tuple[int, int, int], samples: list[Any], producer: str, *, who: str | None = None
+) -> list[str]:
+    """Atomic visibility: a (step, version, rank) reads the same (producer, keys, bytes) whoever
+    reads it. The first read of each is kept in `run.contents`; `who` None is the final read."""
+    d = journal_digest(samples)
+    have = run.contents.get(key)
+    if have is None:
+        run.contents[key] = (d, samples, producer)
+        return []
+    if have[0] == d and have[2] == producer:
+        return []
+    step, version, rank = key
+    if who is None:
+        return [f"step {step} rank {rank}: the final read differs from the readers'"]
+    return [
+        f"{who}: step {step} version {version} rank {rank}: producer {producer} / samples "
+        f"differ from an earlier read ({have[2]})"
+    ]
+
+
+def cursors_at(run: Run, step: int) -> dict[str, Any]:
+    """Each producer's cursor as of `step` (its last TGB at or below it) in the follower's history."""
+    last: dict[str, Any] = {}
+    for s in range(0, step + 1):
+        e = run.history.get(s)
+        if e is not None:
+            last[e.producer] = e
+    return {pid: e.cursor for pid, e in last.items()}
+
+
+def check_rewind_resumes_at_checkpoint(run: Run, st: Any, step: int) -> list[str]:
+    """Right after a rewind to the checkpoint at `step`: the head is `step`, and every producer's
+    committed cursor is its cursor as of `step`."""
+    fails = []
+    if st.head != step:
+        fails.append(f"after the rewind the head is {st.head}, not the checkpoint's step {step}")
+    cursors = cursors_at(run, step)
+    for p in run.producers:
+        ps = st.producers.get(p.pid)
+        want = cursors.get(p.pid)
+        if ps is not None and ps.cursor != want:
+            fails.append(f"after the rewind {p.pid}'s cursor is {ps.cursor}, expected {want}")
+    return fails
+
+
+def registered_before_rewind(run: Run, p: ProducerSlot, m: re.Match[str]) -> bool:
+    """Whether this incarnation registered before the rewind landed, by its epoch (the rewind
+    raises every producer's epoch); one started while the rewind command ran may have."""
+    return int(m[2]) < run.fenced_below.get(p.pid, 1 << 62)
+
+
+def check_resume_after_rewind(run: Run, p: ProducerSlot) -> None:
+    """After a rewind, the first incarnation that registers must resume at the rewind's cursor
+    (called as each incarnation ends; counts the resumes checked)."""
+    if p.expect_resume is None or p.child is None or run.rewind_mono is None:
+        return
+    m = REGISTERED.search(p.child.text())
+    if m is None or registered_before_rewind(run, p, m):
+        return
+    got = cursor_position(json.loads(m[3]))
+    if got != p.expect_resume:
+        run.failures.append(f"{p.pid}: after the rewind it resumed at {got}, expected {p.expect_resume}")
+    else:
+        run.counts["resumes_checked_after_rewind"] += 1
+    p.expect_resume = None
+
+
+# =================================================================================================
+# At the end
+# =================================================================================================
+
+
+def check_gap_free_order(run: Run, st: Any) -> list[str]:
+    """One gap-free order: the follower saw every step 0..head of the final history, and what it
+    saw is what the final state says; the log has no rejected record."""
+    fails = []
+    if st.rejected:
+        fails.append(f"rejected log records: {st.rejected[:5]}")
+    missing = [s for s in range(st.head + 1) if s not in run.history]
+    if missing:
+        fails.append(f"the follower never saw steps {missing[:20]} of the final history")
+    for e in st.steps:
+        h = run.history.get(e.step)
+        if h is None or h.to_list() != e.to_list():
+            fails.append(f"step {e.step}: follower history {h} differs from the final state {e}")
+            break
+    return fails
+
+
+def check_sources_finished(run: Run, st: Any) -> list[str]:
+    """Every producer's final committed cursor is the end of its source."""
+    fails = []
+    for p in run.producers:
+        ps = st.producers.get(p.pid)
+        if ps is None or cursor_position(ps.cursor) != p.files:
+            fails.append(f"{p.pid}: final cursor {ps.cursor if ps else None}, expected {p.files}")
+    return fails
+
+
+async def read_retained_steps(run: Run, st: Any) -> tuple[dict[tuple[int, int], list[Any]], list[str]]:
+    """Read every retained step of every rank again (in-process reader over the faulty store):
+    {(step, rank): samples}, and the failures (a read that differs, a read that fails)."""
+    import lakestream
+
+    fails: list[str] = []
+    final: dict[tuple[int, int], list[Any]] = {}
+    for rank in range(run.cfg.world_size):
+        try:
+            async with lakestream.open_reader(run.store, rank, raw=True) as r:
+                async for b in r.steps(st.first_step, st.head + 1):
+                    samples = [[s["__key__"], sample_fields(s)] for s in b.samples]
+                    final[(b.step, rank)] = samples
+                    fails += check_same_read(run, (b.step, b.version, rank), samples, b.producer)
+        except Exception as e:
+            fails.append(f"final read of rank {rank} failed on a retained step: {type(e).__name__}: {e}")
+    return final, fails
+
+
+def check_every_reader_consumed_the_final_history(run: Run, st: Any) -> list[str]:
+    if any(s not in run.history for s in range(st.head + 1)):
+        return []  # check_gap_free_order reported it
+    fails = []
+    for r in run.readers:
+        lost = [s for s in range(st.head + 1) if (s, run.history[s].version) not in r.reads]
+        if lost:
+            fails.append(f"{r.name} never consumed steps {lost[:20]} ({len(lost)}) of the final history")
+    return fails
+
+
+def check_reclaimed_steps_were_consumed_first(run: Run, st: Any) -> list[str]:
+    """Each step below first_step was consumed by every reader before the first checkpoint that
+    covers it (recorded after the step was committed) and before GC reclaimed it."""
+    late = []
+    for s in range(st.first_step):
+        v = run.history[s].version if s in run.history else None
+        committed = run.seen_at.get((s, v), 0.0)
+        covering = [t for _, c, t in run.checkpoints if c >= s and t >= committed]
+        deadline = min(covering) if covering else None
+        for r in run.readers:
+            t = r.reads.get((s, v))
+            if t is None or deadline is None or t > deadline or t > run.reclaimed_at.get(s, float("inf")):
+                late.append((r.name, s, t, deadline))
+    if late:
+        return [f"reclaimed steps not consumed before their checkpoint: {late[:10]} ({len(late)})"]
+    return []
+
+
+def check_atomic_visibility(run: Run) -> list[str]:
+    """Every journal entry is a TGB the follower saw, from the same producer; the mount's
+    `_meta.json` names the same TGB (producer, epoch, seq, segment) as the log."""
+    fails = []
+    unknown = [
+        (s, v) for (s, v, _), (_, _, prod) in run.contents.items()
+        if (s, v) not in run.seen or run.seen[(s, v)].producer != prod
+    ]  # fmt: skip
+    if unknown:
+        fails.append(f"readers consumed (step, version)s the log never had: {unknown[:10]}")
+    for (s, v), meta in run.meta_seen.items():
+        e = run.seen.get((s, v))
+        if e is None or meta != (e.producer, e.epoch, e.seq, e.segment):
+            fails.append(f"step {s} version {v}: the mount's _meta.json says {meta}, the log {e}")
+            break
+    return fails
+
+
+def final_history_samples(
+    run: Run, st: Any, final: dict[tuple[int, int], list[Any]]
+) -> tuple[dict[int, list[Any]], list[str]]:
+    """{step: [[key, fields], …] of every rank} for the final history: the retained steps as read
+    again at the end, the reclaimed ones as the readers consumed them."""
+    fails = []
+    out: dict[int, list[Any]] = {}
+    for s in range(st.head + 1):
+        e = run.history.get(s)
+        if e is None:
+            continue
+        records = []
+        for rank in range(run.cfg.world_size):
+            samples = final.get((s, rank)) if s >= st.first_step else None
+            if samples is None:
+                c = run.contents.get((s, e.version, rank))
+                samples = c[1] if c is not None else None
+            if samples is None:
+                fails.append(f"step {s} rank {rank}: no reader has its samples (reclaimed before it was read?)")
+                continue
+            records.extend(samples)
+        out[s] = records
+    return out, fails
+
+
+def source_records(run: Run) -> tuple[dict[str, list[Any]], dict[str, list[tuple[str, int]]]]:
+    """From the source files: {key: fields} and {producer: [(key, cursor after it)]} in order."""
+    expected: dict[str, list[Any]] = {}
+    order: dict[str, list[tuple[str, int]]] = {}
+    for pid, files in run.sources.items():
+        fields: dict[str, list[Any]] = defaultdict(list)
+        ends: dict[str, int] = {}
+        for i, name in enumerate(sorted(files)):
+            key, _, fld = name.partition(".")
+            fields[key].append([fld, digest(files[name]), len(files[name])])
+            ends[key] = i + 1
+        for key in fields:
+            expected[key] = sorted(fields[key])
+        order[pid] = sorted(ends.items(), key=lambda kv: kv[1])
+    return expected, order
+
+
+def check_exactly_once(run: Run, by_step: dict[int, list[Any]]) -> list[str]:
+    """Exactly once: every source record is in exactly one step of the final history, with its
+    exact bytes, and nothing else is."""
+    expected, _ = source_records(run)
+    where: dict[str, list[int]] = defaultdict(list)
+    got: dict[str, list[Any]] = {}
+    for s, records in by_step.items():
+        for key, flds in records:
+            where[key].append(s)
+            got[key] = flds
+    fails = []
+    dupes = {k: v for k, v in where.items() if len(v) > 1}
+    lost_keys = sorted(set(expected) - set(where))
+    extra = sorted(set(where) - set(expected))
+    wrong = sorted(k for k in expected if k in got and got[k] != expected[k])
+    if dupes:
+        fails.append(f"{len(dupes)} records in more than one step, e.g. {sorted(dupes.items())[:5]}")
+    if lost_keys:
+        fails.append(f"{len(lost_keys)} records lost, e.g. {lost_keys[:10]}")
+    if extra:
+        fails.append(f"{len(extra)} unknown records, e.g. {extra[:10]}")
+    if wrong:
+        fails.append(f"{len(wrong)} records with other bytes, e.g. {wrong[:10]}")
+    return fails
+
+
+def check_source_order(run: Run, by_step: dict[int, list[Any]]) -> list[str]:
+    """Each producer's records are in source order, TGB by TGB, and each step's committed cursor
+    is the position after its last record."""
+    _, order = source_records(run)
+    fails = []
+    for pid, seq in order.items():
+        pos = 0
+        for s in sorted(by_step):
+            e = run.history[s]
+            if e.producer != pid:
+                continue
+            n = len(by_step[s])
+            want = {k for k, _ in seq[pos : pos + n]}
+            if {k for k, _ in by_step[s]} != want:
+                fails.append(f"step {s} ({pid}): records are not the next {n} of its source")
+                break
+            pos += n
+            if cursor_position(e.cursor) != seq[pos - 1][1]:
+                fails.append(f"step {s} ({pid}): cursor {e.cursor}, expected {seq[pos - 1][1]}")
+                break
+    return fails
+
+
+def check_readers_failed_only_on_discarded_steps(run: Run) -> list[str]:
+    """No reader failed on a retained step: StepUnavailable only where the rewind discarded one
+    (and the errors the roles tolerated, with a warning)."""
+    fails = []
+    for ev in run.events:
+        kind = ev["event"]
+        if kind == "start":
+            continue
+        if kind == "unavailable" and "discarded by a rewind" in ev.get("error", ""):
+            continue
+        if ev.get("tolerated"):
+            continue
+        fails.append(f"{ev['reader']}: {kind} at step {ev.get('step')}: {ev.get('error')}")
+    return fails
+
+
+async def check_storage_reclaimed(run: Run, st: Any) -> list[str]:
+    """After the final GC, the bytes under `segments/` are within 10% of the retained steps'
+    segment bytes; after a log clean-up (gc with lease 0: nothing runs any more) the whole stream
+    prefix is, and the state is the same as before it."""
+    import lakestream
+
+    fails = []
+    objects = run.list_objects()
+    seg_bytes = sum(v for k, v in objects.items() if k.startswith("segments/"))
+    retained = sum(e.nbytes for e in st.steps)
+    run.fig["stored_after_final_gc"] = (
+        f"segments {seg_bytes} B vs retained steps' segment bytes {retained} B "
+        f"({seg_bytes / retained:.3f}x); whole stream prefix {sum(objects.values())} B in {len(objects)} objects"
+        if retained
+        else f"segments {seg_bytes} B, nothing retained"
+    )
+    if retained and abs(seg_bytes - retained) > 0.1 * retained:
+        fails.append(f"after the final GC, {seg_bytes} B of segments for {retained} B of retained steps")
+    # log clean-up: nothing runs any more, so a lease of 0 is safe here
+    report = None
+    for _attempt in range(10):
+        try:
+            report = await lakestream.gc(run.store, orphan_grace=0, force_grace=True, lease=0)
+            break
+        except lakestream.StoreError:
+            continue
+    if report is not None:
+        run.counts["deleted_log_cleanup"] = report.log_versions_deleted + report.snapshots_deleted
+    objects2 = run.list_objects()
+    total = sum(objects2.values())
+    run.fig["stored_after_log_cleanup"] = (
+        f"{total} B in {len(objects2)} objects ({total / retained:.3f}x the retained segment bytes)"
+        if retained
+        else total
+    )
+    if retained and abs(total - retained) > 0.1 * retained:
+        fails.append(f"after the log clean-up, {total} B stored for {retained} B of retained steps")
+    return fails
+
+
+async def check_state_unchanged_by_cleanup(run: Run, st: Any) -> list[str]:
+    import lakestream
+
+    st2 = await lakestream.load_state(run.store)
+    if st2.steps != st.steps or st2.first_step != st.first_step:
+        return ["the state after the log clean-up differs from the state before it"]
+    return []
+
+
+async def check_verify_passes(run: Run) -> list[str]:
+    rc, text = await run.run_cli("verify", run.url, faults=False, name="verify")
+    run.fig["verify"] = text.strip().splitlines()[-1] if text.strip() else ""
+    return [f"lakestream verify failed:\n{text}"] if rc != 0 else []
+
+
+async def check_all(run: Run) -> None:
+    """Every end-of-run check, in order, into `run.failures`."""
+    import anyio
+
+    st = await run.refresh()
+    fails = run.failures
+    fails += check_gap_free_order(run, st)
+    fails += check_sources_finished(run, st)
+    run.out(f"[{run.now():7.1f}] final gc done; checking")
+    final, read_fails = await read_retained_steps(run, st)
+    fails += read_fails
+    run.out(f"[{run.now():7.1f}] retained steps read again")
+    fails += check_every_reader_consumed_the_final_history(run, st)
+    fails += check_reclaimed_steps_were_consumed_first(run, st)
+    fails += check_atomic_visibility(run)
+    by_step, sample_fails = final_history_samples(run, st, final)
+    fails += sample_fails
+    fails += check_exactly_once(run, by_step)
+    fails += check_source_order(run, by_step)
+    fails += check_readers_failed_only_on_discarded_steps(run)
+    run.out(f"[{run.now():7.1f}] contents checked")
+    fails += await check_storage_reclaimed(run, st)
+    run.out(f"[{run.now():7.1f}] log cleaned up")
+    fails += await check_verify_passes(run)
+    fails += await check_state_unchanged_by_cleanup(run, st)
+    run.final_state = st
+    await anyio.lowlevel.checkpoint()
+
+
+# =================================================================================================
+# The figures
+# =================================================================================================
+
+
+def figures(run: Run, gc_seconds: list[float]) -> None:
+    """What happened, as printed in the report (`run.fig`)."""
+    c = run.counts
+    st = run.final_state or getattr(getattr(run, "manifest", None), "state", None)
+    sources = run.sources
+    records = sum(len({n.partition(".")[0] for n in files}) for files in sources.values())
+    files = sum(len(v) for v in sources.values())
+    inj: Counter[str] = Counter()
+    for path in run.faultlogs.glob("*.log"):
+        for line in path.read_text().splitlines():
+            inj[line.rsplit(":", 1)[-1]] += 1
+    sub = sum(inj.values())
+    for store in run.inproc:
+        for k, v in store.injected.items():
+            inj[k.rsplit(":", 1)[-1]] += v
+    kills = c["kills_producer"] + c["kills_pyreader"] + c["kills_mntreader"] + c["kills_mount"] + c["gc_killed"]
+    lat = sorted(run.latencies)
+    fig: dict[str, Any] = {
+        "records": f"{records} source records in {files} files"
+        + (", every one in exactly one step" if not run.failures else ""),
+        "kills": f"{kills} SIGKILLs: producers {c['kills_producer']}, Python readers {c['kills_pyreader']}, "
+        f"mount readers {c['kills_mntreader']}, mount daemons {c['kills_mount']}, gc {c['gc_killed']}",
+        "restarts": f"producer incarnations {sum(p.incarnations for p in run.producers)} "
+        f"(drain restarts {c['drain_restarts']}), reader restarts {c['restarts_reader']}, "
+        f"mounts {c['mount_starts']} ({c['mount_connections_aborted']} killed daemons wedged in the kernel, "
+        "their FUSE connections aborted)",
+        "fenced": f"{c['fenced_exits']} producer exits 'fenced' after the rewind; "
+        f"{c['resumes_checked_after_rewind']} resumes at the rewound cursor checked; "
+        f"{c['reader_rewind_exits']} Python readers raised StepUnavailable for a discarded step, "
+        f"{c['reader_errors_on_discarded_steps']} failed with CorruptData on one",
+        "faults_injected": f"{sum(inj.values())} ({', '.join(f'{k} {v}' for k, v in sorted(inj.items()))}); "
+        f"{sub} in subprocesses, {sum(inj.values()) - sub} in-process",
+        "gc_runs": f"{c['gc_ok']} ok, {c['gc_failed_injected_fault']} failed on an injected fault, "
+        f"{c['gc_killed']} killed"
+        + (f"; {statistics.mean(gc_seconds):.1f} s each on average" if gc_seconds else "")
+        + f"; {c['gc_recent_uploads_kept']} times an unreferenced upload younger than the grace was kept",
+        "bytes_reclaimed": f"segments {c['deleted_segments']} objects / {c['deleted_segments_bytes']} B; "
+        f"log versions {c['deleted_log']}, snapshots {c['deleted_snapshots']} "
+        f"(+{c['deleted_log_cleanup']} log versions and snapshots in the final clean-up)",
+        "rewinds": f"{1 if run.rewind_info else 0} ({run.rewind_info})",
+        "checkpoints": len(run.checkpoints),
+        "reads": ", ".join(f"{r.name} {r.entries}" for r in run.readers),
+        "init_retries": c["init_retries"],
+    }
+    if st is not None:
+        fig["steps"] = (
+            f"{st.head + 1} in the final history ({st.first_step} reclaimed, {len(st.steps)} retained), "
+            f"manifest version {st.version}, {len(run.seen)} TGBs committed in all "
+            f"({len(run.discarded)} discarded by the rewind)"
+        )
+    if lat:
+        fig["commit_latency_s"] = (
+            f"segment upload to commit record: p50 {statistics.median(lat):.2f}, "
+            f"p99 {lat[int(0.99 * (len(lat) - 1))]:.2f}, max {lat[-1]:.2f} (orphan grace {run.cfg.orphan_grace:g})"
+        )
+    fig["commits_later_than_the_grace"] = f"{len(run.late_commits)} {run.late_commits[:5]}"
+    run.fig.update(fig)
