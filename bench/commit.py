@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/commit.py            # full run, about 15 minutes
     .venv/bin/python bench/commit.py --quick    # under two minutes: fewer N, shorter windows
+    .venv/bin/python bench/commit.py --smoke    # seconds: every part, tiny; exits 1 if a run fails
 
 Every producer offers the same open-loop load: RATE TGBs per second (global_batch=1, world_size=1,
 so one `put` of a ~1 KiB sample seals one TGB), arrivals paced at fixed intervals from a random
@@ -91,6 +92,16 @@ QUICK = {
     "s3_seconds": 4.0,
     "s3_grace": 10.0,
 }
+# --smoke: every part and every policy, for a moment each, so a test can tell the bench still runs.
+SMOKE = {
+    "emulated": {2: (0.2, 0.5)},
+    "n_big": 2,
+    "prepopulate": 1_000,
+    "s3_n": [2],
+    "s3_policies": ["dac"],
+    "s3_seconds": 1.0,
+    "s3_grace": 20.0,
+}
 TARGET_N = 64
 # A run whose event loop oversleeps a 50 ms timer by more than the emulated GET median (10 ms) half
 # of the time is not emulating S3 any more: the machine, not the store, sets its latencies.
@@ -121,38 +132,15 @@ async def _prepopulate(inner: Any, versions: int, old_producers: int = 64) -> di
     straight into `inner`, and a snapshot of the state at the tail (hint included)."""
     import orjson
 
-    from lakestream._manifest import Manifest, log_key
-    from lakestream._state import State, encode_record
+    from lakestream.testing import write_synthetic_log
 
     t0 = time.perf_counter()
-    state = State()
-    state.apply(0, await inner.get(log_key(0)))
-    ts = time.time() - 86_400.0  # a day old: these producers are not active
-    v = 1
-
-    async def put(record: dict[str, Any]) -> None:
-        nonlocal v
-        data = encode_record(record)
-        await inner.put(log_key(v), data)
-        why = state.apply(v, data)
-        assert why is None, why
-        v += 1
-
-    for k in range(old_producers):
-        await put({"kind": "register", "producer": f"old{k:02d}", "epoch": 1, "token": f"t{k}", "ts": ts})
-    seq = [-1] * old_producers
-    while v <= versions:
-        k = v % old_producers
-        seq[k] += 1
-        tgb = {"segment": f"segments/old{k:02d}/1-{seq[k]}-0.tgb", "ranks": [[0, 1100, 0, 1]], "cursor": seq[k] + 1}
-        await put({"kind": "commit", "producer": f"old{k:02d}", "epoch": 1, "seq": seq[k], "ts": ts, "tgbs": [tgb]})
+    state = await write_synthetic_log(inner, versions, producers=old_producers)
     t1 = time.perf_counter()
     snap = state.to_json()
     t2 = time.perf_counter()
-    await Manifest(inner).write_snapshot(snap, state.version)
-    copy_t0 = time.perf_counter()
     state.copy()
-    copy_s = time.perf_counter() - copy_t0
+    copy_s = time.perf_counter() - t2
     assert orjson.loads(snap)["version"] == versions
     return {
         "versions": state.version,
@@ -162,6 +150,24 @@ async def _prepopulate(inner: Any, versions: int, old_producers: int = 64) -> di
         "to_json_s": t2 - t1,
         "copy_s": copy_s,
     }
+
+
+def make_policy(name: str, rng: random.Random) -> Any:
+    """A fresh commit policy object by name, seeded where the policy is randomised."""
+    import lakestream
+
+    if name == "dac":
+        return lakestream.DacPolicy(rng=rng)
+    if name == "backoff":
+        return lakestream.BackoffPolicy(rng=rng)
+    return {"eager": lakestream.EagerPolicy, "interval": lakestream.IntervalPolicy}[name]()
+
+
+def active_producers(p: Any, policy: Any) -> int:
+    """The producers `p`'s policy counts as active: those with a commit record in its activity
+    window (p included), from p's view of the manifest (what the producer computes for itself)."""
+    since = time.time() - policy.activity_window
+    return 1 + sum(1 for pid, ps in p.manifest.state.producers.items() if pid != p.id and ps.last_ts >= since)
 
 
 class _RaceCounter:
@@ -233,10 +239,7 @@ async def emulate(cfg: dict[str, Any]) -> dict[str, Any]:
 
     import lakestream
     from lakestream import Producer
-    from lakestream._manifest import LOG_PREFIX, SNAPSHOT_PREFIX
-    from lakestream._pacing import make_policy
-    from lakestream._store import MemoryStore
-    from lakestream.testing import S3_LIKE, FaultyStore
+    from lakestream.testing import LOG_PREFIX, S3_LIKE, SNAPSHOT_PREFIX, FaultyStore
 
     policy: str = cfg["policy"]
     n: int = cfg["n"]
@@ -246,7 +249,7 @@ async def emulate(cfg: dict[str, Any]) -> dict[str, Any]:
     seed: int = cfg.get("seed", 1)
     rng = random.Random(seed)
 
-    inner = MemoryStore()
+    inner = lakestream.open_store(f"memory://{policy}-{n}")
     await lakestream.create(inner, world_size=1, global_batch=1)
     prepop = await _prepopulate(inner, cfg["prepopulate"]) if cfg.get("prepopulate") else None
     store = FaultyStore(inner, latency=S3_LIKE, write_rate=3500, rng=random.Random(seed))
@@ -254,10 +257,12 @@ async def emulate(cfg: dict[str, Any]) -> dict[str, Any]:
     payload = os.urandom(SAMPLE_BYTES)
 
     producers: list[Any] = []
+    policies: list[Any] = []  # each producer's policy object, for the diagnostics
     tracks: list[_Track] = []
     for k in range(n):
         prng = random.Random(seed * 100_003 + k)
-        producers.append(Producer(races, f"p{k:03d}", policy=make_policy(policy, rng=prng)))
+        policies.append(make_policy(policy, prng))
+        producers.append(Producer(races, f"p{k:03d}", policy=policies[-1]))
         tracks.append(_Track())
     phases = [rng.uniform(0, 1 / rate) for _ in range(n)]
 
@@ -312,15 +317,14 @@ async def emulate(cfg: dict[str, Any]) -> dict[str, Any]:
         t0 = time.monotonic()
         while not stop.is_set():
             await anyio.sleep(1.0)
-            pols = [p._policy for p in producers]  # diagnostics only
-            lat = [x.latency for x in pols if hasattr(x, "latency")]
-            mult = [x.multiplier for x in pols if hasattr(x, "multiplier")]
+            lat = [x.latency for x in policies if hasattr(x, "latency")]
+            mult = [x.multiplier for x in policies if hasattr(x, "multiplier")]
             trace.append(
                 [
                     round(time.monotonic() - t0, 2),
                     sum(p.stats.tgbs_committed for p in producers),
                     races.lost,
-                    round(statistics.mean(p._active() for p in producers), 1),
+                    round(statistics.mean(active_producers(p, pol) for p, pol in zip(producers, policies)), 1),
                     round(statistics.mean(lat), 4) if lat else 0.0,
                     round(statistics.mean(mult), 3) if mult else 0.0,
                 ]
@@ -338,22 +342,20 @@ async def emulate(cfg: dict[str, Any]) -> dict[str, Any]:
         t_start = time.monotonic() + 0.05
         start.set()
         await anyio.sleep(t_start + warmup - time.monotonic())
-        snapshots_before = sum(1 for key in inner.objects if key.startswith(SNAPSHOT_PREFIX))
+        snapshots_before = len(await inner.list(SNAPSHOT_PREFIX))
         snaps["a"] = _snapshot(producers, tracks, store, races, time.monotonic())
         await anyio.sleep(t_start + warmup + window - time.monotonic())
         snaps["b"] = _snapshot(producers, tracks, store, races, time.monotonic())
-        snapshots_after = sum(1 for key in inner.objects if key.startswith(SNAPSHOT_PREFIX))
+        snapshots_after = len(await inner.list(SNAPSHOT_PREFIX))
         diag = []
-        for p in producers:
-            pol = p._policy  # diagnostics only: the controller's own view at the window's end
+        for p, pol in zip(producers, policies):  # the controller's own view at the window's end
+            active = active_producers(p, pol)
             diag.append(
                 {
                     "latency": getattr(pol, "latency", None),
                     "multiplier": getattr(pol, "multiplier", None),
-                    "active": p._active(),
-                    "interval": pol.interval(p._active())
-                    if hasattr(pol, "interval") and callable(pol.interval)
-                    else None,
+                    "active": active,
+                    "interval": pol.interval(active) if hasattr(pol, "interval") and callable(pol.interval) else None,
                 }
             )
         stop.set()
@@ -457,9 +459,10 @@ def run_s3(s3: SeaweedS3, bucket: str, policy: str, n: int, samples: int, grace:
     import anyio
 
     import lakestream
+    from lakestream.testing import lakestream_command
 
     env = {**os.environ, **s3.env()}
-    cli = [sys.executable, "-m", "lakestream._cli"]
+    cli = lakestream_command()
     for attempt in range(3):
         url = f"{bucket}/{policy}-{n}-{uuid.uuid4().hex[:8]}"
         init = subprocess.run(
@@ -616,7 +619,8 @@ def manifest_table(results: list[dict[str, Any]]) -> str:
     headers = ["stream", "N", "TGB/s", "frac", "req/TGB", "conflicts", "p50 s", "p99 s", "Jain", "setup s", "notes"]
     rows = []
     for r in results:
-        label = f"{r['prepopulate']['versions']:,} versions" if r.get("prepopulate") else "empty"
+        pre = r.get("prepopulate")
+        label = f"{pre['versions'] if isinstance(pre, dict) else pre:,} versions" if pre else "empty"
         if "failed" in r:
             rows.append([label, r["n"], *["–"] * 8, r["failed"][:60]])
             continue
@@ -806,6 +810,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--quick", action="store_true", help="N in {1, 16, 64}, short windows, a small SeaweedFS part (< 2 min)"
     )
+    ap.add_argument("--smoke", action="store_true", help="every part, tiny (seconds); exit 1 if any run failed")
     ap.add_argument(
         "--parts", nargs="+", choices=["emulated", "manifest", "s3"], default=["emulated", "manifest", "s3"]
     )
@@ -823,14 +828,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.worker:
         return worker_main(a.worker)
 
-    mode = dict(QUICK if a.quick else FULL)
+    mode = dict(SMOKE if a.smoke else QUICK if a.quick else FULL)
+    n_big, prepopulate = mode.get("n_big", N_BIG), mode.get("prepopulate", PREPOPULATE)
+    label = "--smoke" if a.smoke else "--quick" if a.quick else "(full)"
+    short = a.quick or a.smoke
     if a.s3_producers:
         mode["s3_n"] = a.s3_producers
     if a.s3_policies:
         mode["s3_policies"] = a.s3_policies
     ns = a.producers or list(mode["emulated"])
     t_all = time.perf_counter()
-    print(f"# bench/commit.py {'--quick' if a.quick else '(full)'}: {shlex.join(sys.argv)}")
+    print(f"# bench/commit.py {label}: {shlex.join(sys.argv)}")
     print(f"machine: {machine_description()}")
     print(f"load average at start: {load_average()}")
     print(f"lakestream: {_git_state()}")
@@ -854,7 +862,7 @@ def main(argv: list[str] | None = None) -> int:
         return 60.0 + warmup + window + n * 0.25  # registration of 256 producers takes ~12 s
 
     if "emulated" in a.parts:
-        jobs = a.jobs or (2 if a.quick else 1)
+        jobs = a.jobs or (2 if short else 1)
         print(
             "## 1. Emulated S3 (FaultyStore(MemoryStore(), latency=S3_LIKE, write_rate=3500))"
             + (f": {jobs} runs at a time, so CPU figures are shared" if jobs > 1 else ""),
@@ -883,9 +891,9 @@ def main(argv: list[str] | None = None) -> int:
         print(emulated_table(emulated) + "\n", flush=True)
 
     if "manifest" in a.parts:
-        warmup, window = _times(mode, N_BIG, a)
+        warmup, window = _times(mode, n_big, a)
         print(
-            f"## 2. Manifest size: DAC, N={N_BIG}, empty vs {PREPOPULATE:,} versions (same emulation, "
+            f"## 2. Manifest size: DAC, N={n_big}, empty vs {prepopulate:,} versions (same emulation, "
             f"{warmup:g} s warm-up + {window:g} s measured)",
             flush=True,
         )
@@ -893,14 +901,14 @@ def main(argv: list[str] | None = None) -> int:
         def big(pre: int) -> dict[str, Any]:
             cfg = {
                 "policy": "dac",
-                "n": N_BIG,
+                "n": n_big,
                 "rate": RATE,
                 "warmup": warmup,
                 "window": window,
                 "seed": 2,
                 "prepopulate": pre,
             }
-            r = run_emulated(cfg, bound(N_BIG, warmup, window) + 90)
+            r = run_emulated(cfg, bound(n_big, warmup, window) + 90)
             print(
                 f"  prepopulate={pre}: "
                 + (r.get("failed") or f"{r['tgb_per_s']:.1f} TGB/s")
@@ -910,8 +918,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             return r
 
-        with ThreadPoolExecutor(a.jobs or (2 if a.quick else 1)) as pool:
-            manifest = list(pool.map(big, (0, PREPOPULATE)))
+        with ThreadPoolExecutor(a.jobs or (2 if short else 1)) as pool:
+            manifest = list(pool.map(big, (0, prepopulate)))
         save()
         print(manifest_table(manifest) + "\n", flush=True)
 
@@ -950,20 +958,24 @@ def main(argv: list[str] | None = None) -> int:
 
     if emulated:
         print(f"## Targets (emulated, N={TARGET_N})")
-        if a.quick:
-            print("(--quick: the windows are shorter than one DAC period at N=64; only the full run judges these)")
+        if short:
+            print(f"({label}: the windows are shorter than one DAC period at N=64; only the full run judges these)")
         for what, measured, ok in targets(emulated, manifest):
             verdict = "n/a" if ok is None else ("MET" if ok else "MISSED")
             print(f"- {what}: {measured} — {verdict}")
         print()
 
-    want_plots = a.plots == "yes" or (a.plots == "auto" and not a.quick)
+    want_plots = a.plots == "yes" or (a.plots == "auto" and not short)
     if want_plots and emulated:
         for path in plots(emulated, s3, REPO / "docs"):
             print(f"plot: {path.relative_to(REPO)}")
     print(f"load average at end: {load_average()}")
     print(f"total time: {time.perf_counter() - t_all:.0f} s")
     save()
+    failed = [r for r in emulated + manifest if "failed" in r] + [r for r in s3 if r["errors"] or r["killed"]]
+    if a.smoke and (failed or s3_failed):
+        print(f"--smoke: {len(failed) + len(s3_failed)} run(s) failed", file=sys.stderr)
+        return 1
     return 0
 
 

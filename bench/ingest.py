@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/ingest.py            # full run, a few minutes
     .venv/bin/python bench/ingest.py --quick    # under a minute: fewer samples per config
+    .venv/bin/python bench/ingest.py --smoke    # seconds: 256 KiB TGBs of 4 KiB samples, 1 MiB per config
 
 For each store (`file://` in a temp dir; SeaweedFS started here on free loopback ports), each
 producer count (1 and 4: coroutines in this one process, each with its own store client) and each
@@ -64,7 +65,7 @@ from _common import (
 )
 
 import lakestream
-from lakestream._manifest import log_key  # the baseline's warm-up GET
+from lakestream.testing import log_key  # the baseline's warm-up GET
 
 WORLD_SIZE = 4
 TGB_BYTES = 16 * MiB  # global batch = TGB_BYTES / sample size, at least one sample per rank
@@ -512,6 +513,7 @@ async def main_async(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer samples per config and one repetition (< 1 min)")
+    ap.add_argument("--smoke", action="store_true", help="every code path in seconds: 256 KiB TGBs, small samples")
     ap.add_argument("--stores", nargs="+", choices=["file", "s3"], default=["file", "s3"])
     ap.add_argument("--producers", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--sizes", nargs="+", type=int, default=[4 * KiB, MiB, 16 * MiB], help="sample sizes in bytes")
@@ -522,6 +524,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, help="at least this many read passes per rank (default 3, quick 1)")
     ap.add_argument("--min-seconds", type=float, help="at least this long reading per rank (default 0.5, quick 0.1)")
     a = ap.parse_args(argv)
+    if a.smoke:  # whole TGBs of 256 KiB: the smallest configuration that still runs every path
+        global TGB_BYTES
+        TGB_BYTES = 256 * KiB
+        a.sizes = [4 * KiB] if a.sizes == ap.get_default("sizes") else a.sizes
+        a.producers = [1, 2] if a.producers == ap.get_default("producers") else a.producers
+        a.mib = a.mib or 1
+        a.ingest_reps = a.ingest_reps or 2
+        a.reps = a.reps or 1
+        a.min_seconds = 0.01 if a.min_seconds is None else a.min_seconds
     if a.mib is None:
         a.mib = 64 if a.quick else 512
     if a.ingest_reps is None:

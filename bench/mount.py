@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/mount.py            # full run, about 1.5 minutes
     .venv/bin/python bench/mount.py --quick    # about 15 s: 64 MiB slices, fewer steps and commits
+    .venv/bin/python bench/mount.py --smoke    # a few seconds: 4 MiB slices, every part once
 
 Every stream is `file://` in a temp dir with world size 1, mounted with `lakestream mount URL MNT`
 (a subprocess, default options: prefetch 2, cache 1 GiB) and always unmounted at the end
@@ -107,8 +108,9 @@ LATENCY_SAMPLE_BYTES = 64 * KiB
 
 
 def _lakestream_cmd() -> list[str]:
-    exe = Path(sys.executable).with_name("lakestream")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "lakestream._cli"]
+    from lakestream.testing import lakestream_command
+
+    return lakestream_command()
 
 
 def log(msg: str) -> None:
@@ -638,6 +640,7 @@ def bench_latency(root: Path, a: argparse.Namespace, rows: list[list[str]], verd
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="under a minute: 64 MiB slices, fewer steps and commits")
+    ap.add_argument("--smoke", action="store_true", help="a few seconds: 4 MiB slices, every part once")
     ap.add_argument("--buffer", type=int, default=1 * MiB, help="read buffer bytes (default 1 MiB)")
     ap.add_argument("--only", default="large,small,latency", help="comma list of parts to run")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (mount logs)")
@@ -657,7 +660,10 @@ def main() -> int:
     a = ap.parse_args()
     a.idle_seconds = 3.0
     Mount.command = shlex.split(a.mount_cmd)
-    if a.quick:
+    if a.smoke:
+        a.idle_seconds = 0.5
+        a.large_mib, a.large_steps, a.disk_steps, a.small_steps, a.latency_commits, a.gaps = 4, 2, 1, 1, 3, "0,50"
+    elif a.quick:
         a.large_mib, a.large_steps, a.disk_steps, a.small_steps, a.latency_commits, a.gaps = 64, 3, 1, 2, 15, "0,100"
     else:
         a.large_mib, a.large_steps, a.disk_steps, a.small_steps, a.latency_commits, a.gaps = (
@@ -679,7 +685,8 @@ def main() -> int:
     verdicts: list[tuple[str, bool]] = []
     root = temp_dir("lakestream-bench-mount-")
     print(
-        f"mount benchmark{' (--quick: ' + str(a.large_mib) + ' MiB slices, fewer steps)' if a.quick else ''}",
+        f"mount benchmark{' (--quick: ' + str(a.large_mib) + ' MiB slices, fewer steps)' if a.quick else ''}"
+        + (f" (--smoke: {a.large_mib} MiB slices, every part once)" if a.smoke else ""),
         flush=True,
     )
     with removing(root) if not a.keep else _noop(root):
