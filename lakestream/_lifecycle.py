@@ -33,60 +33,57 @@ from typing import Any
 
 import orjson
 
-from ._errors import ConfigMismatch, CorruptData, ObjectNotFound, StepUnavailable, StoreFull
-from ._manifest import HINT_KEY, LOG_PREFIX, SNAPSHOT_PREFIX, Manifest, _version_of, log_key
-from ._producer import parse_segment_key
+from . import _decisions as decisions
+from ._errors import CorruptData, ObjectNotFound, StoreFull
+from ._layout import (
+    HINT_KEY,
+    LOG_PREFIX,
+    SEGMENTS_PREFIX,
+    SNAPSHOT_PREFIX,
+    log_key,
+    parse_segment_key,
+    snapshot_key,
+    version_of,
+)
+from ._manifest import Manifest
+from ._records import RecordError, decode_record
 from ._retry import retry
-from ._state import State, decode_record
+from ._state import State
 from ._store import ObjectStore
 
 __all__ = ["MIN_ORPHAN_GRACE", "GcReport", "checkpoint", "gc", "release", "rewind"]
 
 
-async def checkpoint(store: ObjectStore, checkpoint_id: str, step: int) -> bool:
+async def checkpoint(
+    store: ObjectStore, checkpoint_id: str, step: int, *, wall: Callable[[], float] = time.time
+) -> bool:
     """Record that the trainer's checkpoint `checkpoint_id` at `step` is durable.
 
     True if recorded, False if it already was (same id and step). Raises ConfigMismatch for the same
     id at another step, StepUnavailable for a step that is not committed or not retained, and
-    ValueError for a step older than the newest checkpoint.
+    ValueError for a step older than the newest checkpoint (`_decisions.checkpoint`).
     """
     m = Manifest(store)
     await m.load()
-
-    def build(state: State) -> dict[str, Any] | None:
-        for c in state.checkpoints:
-            if c.id == checkpoint_id:
-                if c.step != step:
-                    raise ConfigMismatch(f"{store.url}: checkpoint {checkpoint_id!r} is at step {c.step}, not {step}")
-                return None
-        if not state.first_step <= step <= state.head:
-            raise StepUnavailable(
-                f"{store.url}: cannot checkpoint step {step}: readable steps are {state.first_step}..{state.head}"
-            )
-        if state.checkpoints and step < state.checkpoints[-1].step:
-            raise ValueError(
-                f"{store.url}: checkpoint step {step} is older than the newest checkpoint "
-                f"{state.checkpoints[-1].id!r} at step {state.checkpoints[-1].step}"
-            )
-        return {"kind": "checkpoint", "id": checkpoint_id, "step": step, "ts": time.time()}
-
-    return await m.append(build) is not None
+    result = await m.append(lambda st, _: decisions.checkpoint(st, checkpoint_id, step, wall(), store.url))
+    return result.version is not None
 
 
-async def release(store: ObjectStore, checkpoint_id: str) -> bool:
+async def release(store: ObjectStore, checkpoint_id: str, *, wall: Callable[[], float] = time.time) -> bool:
     """Drop a retained checkpoint; True if it was retained."""
     m = Manifest(store)
     await m.load()
-
-    def build(state: State) -> dict[str, Any] | None:
-        if not any(c.id == checkpoint_id for c in state.checkpoints):
-            return None
-        return {"kind": "release", "id": checkpoint_id, "ts": time.time()}
-
-    return await m.append(build) is not None
+    result = await m.append(lambda st, _: decisions.release(st, checkpoint_id, wall()))
+    return result.version is not None
 
 
-async def rewind(store: ObjectStore, *, to_checkpoint: str | None = None, to_step: int | None = None) -> State:
+async def rewind(
+    store: ObjectStore,
+    *,
+    to_checkpoint: str | None = None,
+    to_step: int | None = None,
+    wall: Callable[[], float] = time.time,
+) -> State:
     """Discard every step after a checkpoint's step (or `to_step`) and fence every producer.
 
     Each producer's resume cursor becomes its cursor as of that step, so producers started again
@@ -95,29 +92,12 @@ async def rewind(store: ObjectStore, *, to_checkpoint: str | None = None, to_ste
     if (to_checkpoint is None) == (to_step is None):
         raise ValueError("rewind needs exactly one of to_checkpoint and to_step")
     m = Manifest(store)
-    await m.load()
-
-    rewinds: list[int] = []
-
-    def build(state: State) -> dict[str, Any] | None:
-        if rewinds and state.rewinds > rewinds[0]:
-            return None  # an earlier attempt whose answer was lost landed (or another rewind did)
-        rewinds.append(state.rewinds)
-        target = to_step
-        if to_checkpoint is not None:
-            found = [c for c in state.checkpoints if c.id == to_checkpoint]
-            if not found:
-                have = ", ".join(f"{c.id}@{c.step}" for c in state.checkpoints) or "none"
-                raise StepUnavailable(f"{store.url}: no retained checkpoint {to_checkpoint!r} (retained: {have})")
-            target = found[0].step
-        assert target is not None
-        if not state.first_step - 1 <= target <= state.head:
-            raise StepUnavailable(
-                f"{store.url}: cannot rewind to step {target}: readable steps are {state.first_step}..{state.head}"
-            )
-        return {"kind": "rewind", "to_step": target, "ts": time.time()}
-
-    await m.append(build)
+    before = (await m.load()).rewinds
+    await m.append(
+        lambda st, _: decisions.rewind(
+            st, to_checkpoint=to_checkpoint, to_step=to_step, rewinds_before=before, now=wall(), url=store.url
+        )
+    )
     return m.state
 
 
@@ -173,9 +153,7 @@ async def _delete(store: ObjectStore, keys: list[str], what: str, progress: Call
 
 
 async def _reclaim(m: Manifest, now: Callable[[], float]) -> State:
-    await m.append(
-        lambda st: {"kind": "reclaim", "below": st.watermark, "ts": now()} if st.watermark > st.first_step else None
-    )
+    await m.append(lambda st, _: decisions.reclaim(st, now()))
     return m.state
 
 
@@ -192,7 +170,7 @@ async def _delete_segments(
     never be committed, or is an upload older than the grace; add them to `report`."""
     referenced = {s.segment for s in state.steps if s.step >= first_step}
     doomed: dict[str, int] = {}
-    for key, size in (await retry(lambda: store.list_sizes("segments/"))).items():
+    for key, size in (await retry(lambda: store.list_sizes(SEGMENTS_PREFIX))).items():
         if key in referenced:
             continue
         parsed = parse_segment_key(key)
@@ -280,7 +258,7 @@ async def gc(
 
     # 3. log versions and snapshots below a snapshot committed more than `lease` ago
     listed = await retry(lambda: store.list(SNAPSHOT_PREFIX))
-    snapshots = sorted(v for k in listed if (v := _version_of(k)) is not None)
+    snapshots = sorted(v for k in listed if (v := version_of(k)) is not None)
     stale = not snapshots or snapshots[-1] < m.state.version - m.state.config.snapshot_every // 2  # type: ignore[union-attr]
     if stale and not dry_run:
         data = m.state.copy().to_json()
@@ -292,8 +270,8 @@ async def gc(
     horizon = None
     for v in reversed(snapshots):
         try:
-            ts = decode_record(await retry(lambda: store.get(log_key(v)))).get("ts", t)
-        except (ValueError, FileNotFoundError):
+            ts = decode_record(await retry(lambda: store.get(log_key(v)))).ts or t  # no time: not old
+        except (RecordError, FileNotFoundError):
             continue
         if isinstance(ts, (int, float)) and t - ts > lease:
             horizon = v
@@ -307,11 +285,11 @@ async def gc(
     except CorruptData as e:
         raise CorruptData(f"{e}; gc refuses to delete the log below it (delete the bad snapshot)") from None
     if horizon is not None:
-        old_snaps = [f"{SNAPSHOT_PREFIX}{v:020d}.json" for v in snapshots if v < horizon]
+        old_snaps = [snapshot_key(v) for v in snapshots if v < horizon]
         logs = sorted(
             v
             for k in await retry(lambda: store.list(LOG_PREFIX))
-            if (v := _version_of(k)) is not None and 0 < v < horizon
+            if (v := version_of(k)) is not None and 0 < v < horizon
         )
         report.snapshots_deleted, report.log_versions_deleted = len(old_snaps), len(logs)
         if not dry_run:

@@ -55,40 +55,26 @@ import math
 import random
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
 import anyio
 import orjson
 
+from . import _decisions as decisions
 from ._errors import ConfigMismatch, CorruptData, ObjectNotFound, StoreUnavailable, StreamNotFound
-from ._retry import retry
-from ._state import Config, State, encode_record
+from ._layout import HINT_KEY, LOG_PREFIX, SNAPSHOT_PREFIX, log_key, snapshot_key, version_of
+from ._records import Record, encode_record
+from ._retry import STORE_BACKOFF, retry
+from ._state import Config, State
 from ._store import ObjectStore
 from ._tasks import task_group
 
-__all__ = ["LOG_PREFIX", "SNAPSHOT_PREFIX", "Manifest", "create_stream", "log_key", "snapshot_key"]
+__all__ = ["LOG_PREFIX", "SNAPSHOT_PREFIX", "AppendResult", "Manifest", "create_stream", "log_key", "snapshot_key"]
 
-LOG_PREFIX = "_lakestream/log/"
-SNAPSHOT_PREFIX = "_lakestream/snapshots/"
-HINT_KEY = "_lakestream/last_snapshot"
 MAX_WINDOW = 32
 RATE_HORIZON = 5.0  # seconds over which the log's growth rate is averaged
 
 log = logging.getLogger("lakestream.log")
-
-
-def log_key(version: int) -> str:
-    return f"{LOG_PREFIX}{version:020d}.json"
-
-
-def snapshot_key(version: int) -> str:
-    return f"{SNAPSHOT_PREFIX}{version:020d}.json"
-
-
-def _version_of(key: str) -> int | None:
-    name = key.rsplit("/", 1)[-1]
-    stem = name.removesuffix(".json")
-    return int(stem) if stem.isdigit() and len(stem) == 20 else None
 
 
 async def _get_or_none(store: ObjectStore, key: str) -> bytes | None:
@@ -103,8 +89,7 @@ async def create_stream(store: ObjectStore, config: Config, *, wall: Callable[[]
 
     Raises ConfigMismatch naming every option that differs.
     """
-    record = {"kind": "create", "config": config.to_dict(), "ts": wall()}
-    if await store.put_if_absent(log_key(0), encode_record(record)):
+    if await store.put_if_absent(log_key(0), encode_record(decisions.create(config, wall()))):
         return True
     state = State()
     state.apply(0, await store.get(log_key(0)))
@@ -115,6 +100,17 @@ async def create_stream(store: ObjectStore, config: Config, *, wall: Callable[[]
     if diff:
         raise ConfigMismatch(f"{store.url}: a stream exists with another config: " + "; ".join(diff))
     return False
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    """What `Manifest.append` did."""
+
+    version: int | None  # the version written; None: the decision said nothing was left to do
+    record: Record | None  # what was written
+    conflicts: int  # races lost to other writers before it landed
+    probe_latency: float  # the read round that last found the tail
+    put_latency: float  # the last conditional put
 
 
 class Manifest:
@@ -140,9 +136,7 @@ class Manifest:
         self.wall = wall
         self.confirmed_at = -math.inf  # clock() when the tail was last confirmed
         self.requests = 0  # store requests made for the log (for cost accounting)
-        self.last_conflicts = 0
-        self.last_probe_latency = 0.0  # the read round that found the tail, last time
-        self.last_put_latency = 0.0  # the last conditional put
+        self._probe_latency = 0.0  # the read round that found the tail, last time
         self.problems: list[str] = []  # snapshots the last load skipped as bad (see `read_snapshot`)
         self._missing = ""  # the snapshot the hint named, if the last load did not find it
         self._refreshing = anyio.Lock()
@@ -238,7 +232,7 @@ class Manifest:
     async def _newest_listed_snapshot(self, skip: int | None = None) -> State | None:
         keys = await retry(lambda: self.store.list(SNAPSHOT_PREFIX), attempts=self._attempts)
         self.requests += 1
-        versions = sorted((v for k in keys if (v := _version_of(k)) is not None and v != skip), reverse=True)
+        versions = sorted((v for k in keys if (v := version_of(k)) is not None and v != skip), reverse=True)
         for v in versions:
             try:
                 return await self.read_snapshot(v)
@@ -257,8 +251,8 @@ class Manifest:
         checks. O(retained log) GETs, like `verify`, which runs it.
         """
         listed = await retry(lambda: self.store.list(SNAPSHOT_PREFIX))
-        snaps = sorted(v for k in listed if (v := _version_of(k)) is not None)
-        logs = {v for k in await retry(lambda: self.store.list(LOG_PREFIX)) if (v := _version_of(k)) is not None}
+        snaps = sorted(v for k in listed if (v := version_of(k)) is not None)
+        logs = {v for k in await retry(lambda: self.store.list(LOG_PREFIX)) if (v := version_of(k)) is not None}
         problems: list[str] = []
         replay = Manifest(self.store, lease=math.inf, clock=self.clock)  # never jumps to a snapshot
         if snaps and not all(v in logs for v in range(snaps[0])):
@@ -299,7 +293,7 @@ class Manifest:
         """Raise CorruptData if log versions exist above the one where reading stopped."""
         keys = await retry(lambda: self.store.list(LOG_PREFIX), attempts=self._attempts)
         self.requests += 1
-        versions = {v for k in keys if (v := _version_of(k)) is not None}
+        versions = {v for k in keys if (v := version_of(k)) is not None}
         missing = self.state.version + 1
         above = max(versions, default=-1)
         if above > missing and missing not in versions:
@@ -345,7 +339,7 @@ class Manifest:
             self.requests += window
             for i, data in enumerate(results):
                 if data is None:
-                    self.last_probe_latency = self.clock() - started
+                    self._probe_latency = self.clock() - started
                     self.confirmed_at = started
                     self._observe_growth(started)
                     return applied
@@ -375,24 +369,24 @@ class Manifest:
 
     async def append(
         self,
-        build: Callable[[State], dict[str, Any] | None],
+        decide: Callable[[State, int], Record | None],
         *,
         fresh: bool = False,
         conflict_delay: Callable[[int], float] | None = None,
-    ) -> int | None:
-        """Append `build(state)` at the next version, rebuilding it after every lost race.
+    ) -> AppendResult:
+        """Append `decide(state, lost)` at the next version, deciding again after every lost race.
 
-        `build` sees the state the record will follow and returns the record, or None when
-        nothing is left to do (for example, an earlier ambiguous put already landed). It may
-        raise to abort (a fenced producer does). Returns the version written, or None.
-        A put whose answer is lost (StoreUnavailable) is retried `retries` times with backoff;
-        the retry reads the log first, so a put that did land is recognised, not repeated.
-        `fresh` reads the log to its tail before the first put ("listen before talk");
-        `conflict_delay(n)` is how long to wait after the n-th lost race. `last_conflicts` counts
-        the lost races of the latest call.
+        `decide` (one of `_decisions`, with the caller's intent bound) sees the state the record
+        will follow and how many races this call has lost, and returns the record, or None when
+        nothing is left to do (an earlier ambiguous put already landed); it raises to abort (a
+        fenced producer does). A put whose answer is lost (StoreUnavailable) is retried `retries`
+        times with backoff (forever with `retries=None`); the retry reads the log first, so a put
+        that did land is recognised, not repeated. `fresh` reads the log to its tail before the
+        first put ("listen before talk"); `conflict_delay(n)` is how long to wait after the n-th
+        lost race. Returns what happened (`AppendResult`).
         """
-        failures = 0
-        self.last_conflicts = 0
+        failures = conflicts = 0
+        put_latency = 0.0
         while True:
             try:
                 if fresh or failures or self.clock() - self.confirmed_at > self.lease / 2:
@@ -403,9 +397,9 @@ class Manifest:
                     # in which a put can meet another to a single round trip.
                     fresh = False
                     await self.refresh(window=1)
-                record = build(self.state)
+                record = decide(self.state, conflicts)
                 if record is None:
-                    return None
+                    return AppendResult(None, None, conflicts, self._probe_latency, put_latency)
                 why = self.state.check(record)
                 if why is not None:
                     raise ValueError(f"{self.url}: refusing to write a record that would be a no-op: {why}")
@@ -414,16 +408,16 @@ class Manifest:
                 self.requests += 1
                 put_started = self.clock()
                 won = await self.store.put_if_absent(log_key(version), data)
-                self.last_put_latency = self.clock() - put_started
+                put_latency = self.clock() - put_started
             except StoreUnavailable as e:
                 failures += 1
                 if self.retries is not None and (e.retried or failures > self.retries):
                     raise
-                await anyio.sleep(min(0.05 * 2 ** min(failures, 16), 2.0) * (0.5 + self.rng.random()))
+                await anyio.sleep(STORE_BACKOFF.delay(failures, self.rng))
                 continue
             if not won:
-                self.last_conflicts += 1
-                if conflict_delay is not None and (wait := conflict_delay(self.last_conflicts)) > 0:
+                conflicts += 1
+                if conflict_delay is not None and (wait := conflict_delay(conflicts)) > 0:
                     await anyio.sleep(wait)
                 await self.refresh(window=1)  # usually one version, the winner's
                 continue
@@ -439,7 +433,7 @@ class Manifest:
                         self.on_apply(self.state)
                 self.confirmed_at = self.clock()
                 self._observe_growth(self.confirmed_at)
-            return version
+            return AppendResult(version, record, conflicts, self._probe_latency, put_latency)
 
     async def write_snapshot(self, state_json: bytes, version: int) -> None:
         """Store a snapshot (same bytes from every writer) and point the hint at it."""

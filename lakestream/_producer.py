@@ -25,37 +25,24 @@ import anyio
 import anyio.to_thread
 import orjson
 
+from . import _decisions as decisions
 from ._batching import assign_ranks
 from ._errors import InvalidSample, ObjectNotFound, ProducerFenced, SegmentLost
+from ._layout import segment_key
 from ._manifest import Manifest
 from ._pacing import AttemptOutcome, CommitPolicy, Observation, make_policy
+from ._records import Record, TgbRef
 from ._retry import retry
 from ._segment import EncodedSample, dump_json, encode_sample, encode_segment
 from ._state import State
 from ._store import ObjectStore
 from ._tasks import cancel_task_group, enter_task_group
 
-__all__ = ["Producer", "ProducerStats", "parse_segment_key", "segment_key"]
+__all__ = ["Producer", "ProducerStats"]
 
 log = logging.getLogger("lakestream.producer")
 
 RECHECK_AFTER = 60.0  # seconds a TGB may wait uncommitted before its segment is checked again
-
-
-def segment_key(producer: str, epoch: int, seq: int, now: float) -> str:
-    """`segments/<producer>/<epoch>-<seq>-<uuid>.tgb`; the uuid starts with the time in ms (hex),
-    so that GC can tell an old orphan from an upload whose commit is still on its way."""
-    return f"segments/{producer}/{epoch}-{seq}-{int(now * 1000):012x}{uuid.uuid4().hex[:20]}.tgb"
-
-
-def parse_segment_key(key: str) -> tuple[str, int, int, float] | None:
-    """(producer, epoch, seq, upload time) of a segment key, or None if it is not one."""
-    try:
-        _, producer, name = key.split("/")
-        epoch, seq, rest = name.removesuffix(".tgb").split("-")
-        return producer, int(epoch), int(seq), int(rest[:12], 16) / 1000
-    except ValueError:
-        return None
 
 
 @dataclass(slots=True)
@@ -66,10 +53,16 @@ class _Tgb:
     cursor: Any
     nbytes: int
     sealed_at: float
-    segment: str = ""
-    ranks: list[list[int]] = field(default_factory=list)
-    uploaded: bool = False
+    ref: TgbRef | None = None  # where it was uploaded, once it was
     checked_at: float = -1.0  # when its segment was last seen to exist
+
+    @property
+    def uploaded(self) -> bool:
+        return self.ref is not None
+
+    @property
+    def segment(self) -> str:
+        return self.ref.segment if self.ref is not None else ""
 
 
 @dataclass(slots=True)
@@ -98,6 +91,7 @@ class Producer:
         gc_interval: float | None = None,
         manifest: Manifest | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.id = producer_id
@@ -108,6 +102,7 @@ class Producer:
         self._policy = make_policy(policy)
         self._gc_interval = gc_interval
         self._clock = clock
+        self._wall = wall  # timestamps in records and segment keys
         self._token = uuid.uuid4().hex
         self._key_prefix = producer_id.replace(".", "_")
         self.epoch = 0
@@ -155,14 +150,7 @@ class Producer:
         await cancel_task_group(tg)
 
     async def _register(self) -> int | None:
-        def build(state: State) -> dict[str, Any] | None:
-            p = state.producers.get(self.id)
-            if p is not None and p.token == self._token:
-                return None  # an earlier, ambiguous attempt landed
-            epoch = (p.epoch if p else 0) + 1
-            return {"kind": "register", "producer": self.id, "epoch": epoch, "token": self._token, "ts": time.time()}
-
-        version = await self.manifest.append(build)
+        result = await self.manifest.append(lambda st, _: decisions.register(st, self.id, self._token, self._wall()))
         p = self.manifest.state.producers[self.id]
         if p.token != self._token:  # pragma: no cover - append guarantees it
             raise ProducerFenced(f"{self.manifest.url}: producer {self.id!r} could not register")
@@ -174,7 +162,7 @@ class Producer:
             "%s: producer %s registered epoch %d, resuming at %s",
             self.manifest.url, self.id, self.epoch, orjson.dumps(self.cursor).decode(),
         )  # fmt: skip
-        return version
+        return result.version
 
     # -- the public API ------------------------------------------------------------------------
 
@@ -280,10 +268,10 @@ class Producer:
             w = self.config.world_size
             ranks = assign_ranks(tgb.costs, len(tgb.samples), w)
             data, slices = await anyio.to_thread.run_sync(encode_segment, [[tgb.samples[i] for i in r] for r in ranks])
-            key = segment_key(self.id, self.epoch, tgb.seq, time.time())
+            key = segment_key(self.id, self.epoch, tgb.seq, self._wall())
             await retry(lambda: self.store.put(key, data), attempts=None)
-            tgb.segment, tgb.ranks, tgb.samples = key, slices, []
-            tgb.uploaded = True
+            ranks_ref = tuple((r[0], r[1], r[2], r[3]) for r in slices)
+            tgb.ref, tgb.samples = TgbRef(key, ranks_ref, tgb.cursor), []
             self.stats.bytes_uploaded += len(data)
             self._notify()
         except Exception as e:
@@ -340,7 +328,7 @@ class Producer:
     def _activity(self) -> tuple[int, int, int]:
         """From the commit records in the policy's activity window: the producers active (this one
         included), and the races their latest commits lost and how many such commits there are."""
-        since = time.time() - self._policy.activity_window
+        since = self._wall() - self._policy.activity_window
         active, lost, commits = 1, 0, 0
         for pid, p in self.manifest.state.producers.items():
             if p.last_ts >= since:
@@ -374,12 +362,7 @@ class Producer:
                 t.checked_at = now
 
     def _drop_committed(self, state: State) -> None:
-        p = state.producers.get(self.id)
-        if p is None or p.epoch != self.epoch:
-            raise ProducerFenced(
-                f"{self.manifest.url}: producer {self.id!r} epoch {self.epoch} is fenced"
-                f" (the manifest has epoch {p.epoch if p else None})"
-            )
+        p = decisions.current_incarnation(state, self.id, self.epoch, self.manifest.url)
         now = self._clock()
         while self._pending and self._pending[0].seq <= p.seq:
             t = self._pending.popleft()
@@ -391,37 +374,23 @@ class Producer:
 
     async def _commit(self, ready: list[_Tgb], *, fresh: bool = False) -> None:
         await self._check_old_segments(ready)
-        group = {t.seq for t in ready}
+        pending = [decisions.PendingTgb(t.seq, t.ref) for t in ready if t.ref is not None]  # all uploaded
         before = self._committed_seq
 
-        def build(state: State) -> dict[str, Any] | None:
+        def decide(state: State, lost: int) -> Record | None:
             self.stats.commit_attempts += 1
-            self._drop_committed(state)
-            tgbs = [t for t in self._pending if t.seq in group]
-            if not tgbs:
-                return None
-            return {
-                "kind": "commit",
-                "producer": self.id,
-                "epoch": self.epoch,
-                "seq": tgbs[0].seq,
-                "ts": time.time(),
-                "lost": self.manifest.last_conflicts,
-                "tgbs": [{"segment": t.segment, "ranks": t.ranks, "cursor": t.cursor} for t in tgbs],
-            }
+            return decisions.commit(state, self.id, self.epoch, pending, lost, self._wall(), self.manifest.url)
 
-        try:
-            version = await self.manifest.append(build, fresh=fresh, conflict_delay=self._policy.conflict_delay)
-        finally:
-            self.stats.conflicts += self.manifest.last_conflicts
+        result = await self.manifest.append(decide, fresh=fresh, conflict_delay=self._policy.conflict_delay)
+        self.stats.conflicts += result.conflicts
         self._drop_committed(self.manifest.state)
         # The slot's latency: the read that found the tail and the put that took it; not the
         # catch-up reads of what others wrote meanwhile, nor waits after lost races.
-        slot = self.manifest.last_probe_latency + self.manifest.last_put_latency
-        self._policy.observe(AttemptOutcome(slot, self.manifest.last_conflicts, self._committed_seq - before))
-        if version is not None:
+        slot = result.probe_latency + result.put_latency
+        self._policy.observe(AttemptOutcome(slot, result.conflicts, self._committed_seq - before))
+        if result.version is not None:
             self.stats.commits += 1
-            self._appended(version)
+            self._appended(result.version)
         self._notify()
 
     def _appended(self, version: int) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 import orjson
 
 from ._errors import CorruptData, InvalidSample
+from ._layout import KEY_FIELD, RESERVED_KEYS
 
 __all__ = [
     "EncodedSample",
@@ -38,8 +39,6 @@ __all__ = [
 
 MAGIC = b"LSR1"
 _LEN = struct.Struct("<I")
-KEY_FIELD = "__key__"
-RESERVED_KEYS = frozenset({"_meta", "_status"})
 
 
 @dataclass(frozen=True, slots=True)

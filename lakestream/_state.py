@@ -32,11 +32,25 @@ Invariants, kept by `apply` alone:
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import orjson
+
+from ._config import FORMAT_VERSION, LIMITS, Config
+from ._records import (
+    PRODUCER_ID,
+    CheckpointRecord,
+    CommitRecord,
+    CreateRecord,
+    ReclaimRecord,
+    Record,
+    RecordError,
+    RegisterRecord,
+    ReleaseRecord,
+    RewindRecord,
+    decode_record,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -46,66 +60,7 @@ __all__ = [
     "RankSlice",
     "State",
     "Step",
-    "decode_record",
-    "encode_record",
 ]
-
-FORMAT_VERSION = 1
-_PRODUCER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-# The shapes a stream may have. Everything that reads a stream (readers, the mount, `status`)
-# allocates in proportion to these, so they are refused at `create`, not discovered later.
-LIMITS = {
-    "world_size": (1, 1 << 16),
-    "global_batch": (1, 1 << 24),
-    "snapshot_every": (1, 1 << 20),
-    "max_sample_bytes": (1, 1 << 32),
-    "keep_checkpoints": (0, 1 << 16),
-    "max_steps_ahead": (0, 1 << 32),  # 0: unbounded
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Config:
-    """What `create` fixes for the life of a stream."""
-
-    world_size: int
-    global_batch: int
-    snapshot_every: int = 1000
-    keep_checkpoints: int = 3
-    max_steps_ahead: int = 0  # 0: unbounded
-    max_sample_bytes: int = 1 << 30
-    format: int = FORMAT_VERSION
-
-    def __post_init__(self) -> None:
-        for name, (lo, hi) in LIMITS.items():
-            v = getattr(self, name)
-            if type(v) is not int or not lo <= v <= hi:
-                raise ValueError(f"{name} must be an integer from {lo} to {hi}, got {v!r}")
-        if self.global_batch < self.world_size:
-            raise ValueError(
-                f"global_batch {self.global_batch} is smaller than world_size {self.world_size}: "
-                "some ranks would get no samples (and a data-parallel job would hang)"
-            )
-        if self.format != FORMAT_VERSION:
-            raise ValueError(f"unsupported stream format {self.format!r} (this library reads {FORMAT_VERSION})")
-
-    def to_dict(self) -> dict[str, int]:
-        return {
-            "format": self.format,
-            "world_size": self.world_size,
-            "global_batch": self.global_batch,
-            "snapshot_every": self.snapshot_every,
-            "keep_checkpoints": self.keep_checkpoints,
-            "max_steps_ahead": self.max_steps_ahead,
-            "max_sample_bytes": self.max_sample_bytes,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Config:
-        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
-        return cls(**known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,18 +127,6 @@ class ProducerState:
         }  # fmt: skip
 
 
-def encode_record(record: dict[str, Any]) -> bytes:
-    return orjson.dumps(record)
-
-
-def decode_record(data: bytes) -> dict[str, Any]:
-    """Raises ValueError for anything that is not a JSON object with a string `kind`."""
-    record = orjson.loads(data)
-    if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
-        raise ValueError("not a record: a JSON object with a string 'kind' is required")
-    return record
-
-
 class _Reject(Exception):
     pass
 
@@ -195,18 +138,6 @@ def _need(cond: bool, why: str) -> None:
 
 def _int(v: Any, lo: int = 0) -> bool:
     return type(v) is int and v >= lo
-
-
-def _segment_key(key: Any) -> bool:
-    """`segments/…`: relative, '/'-separated, no empty, hidden, '.' or '..' part, at most 1 KiB."""
-    if not isinstance(key, str) or not key.startswith("segments/") or len(key) > 1024 or "\\" in key:
-        return False
-    return all(part and not part.startswith(".") and part.isprintable() for part in key.split("/"))
-
-
-def _ts(record: dict[str, Any]) -> float:
-    ts = record.get("ts", 0.0)
-    return float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) else 0.0
 
 
 @dataclass(slots=True)
@@ -256,147 +187,119 @@ class State:
             raise ValueError(f"apply: version {version} does not follow {self.version}")
         try:
             record = decode_record(data)
+            self._validate(version, record)
             self._apply(version, record)
             why = None
-        except (_Reject, ValueError, TypeError, KeyError) as e:
-            why = f"{type(e).__name__}: {e}" if not isinstance(e, _Reject) else str(e)
+        except (_Reject, RecordError) as e:
+            why = str(e)
             self.rejected.append((version, why))
         self.version = version
         return why
 
-    def check(self, record: dict[str, Any]) -> str | None:
+    def check(self, record: Record) -> str | None:
         """Why `record` would be a no-op at the next version, or None if it would take effect."""
         try:
             self._validate(self.version + 1, record)
-        except (_Reject, ValueError, TypeError, KeyError) as e:
+        except _Reject as e:
             return str(e)
         return None
 
-    def _validate(self, version: int, r: dict[str, Any]) -> None:
-        kind = r.get("kind")
-        if version == 0:
-            _need(kind == "create", "version 0 must be a create record")
-            _need(isinstance(r.get("config"), dict), "create: config must be an object")
-            Config.from_dict(r["config"])
+    def _validate(self, version: int, r: Record) -> None:
+        """Is the (well-formed) record valid at `version`? Raises _Reject saying why not."""
+        if version == 0 or isinstance(r, CreateRecord):
+            _need(version == 0 and isinstance(r, CreateRecord), "version 0 must be a create record")
             return
         _need(self.config is not None, "stream has no valid create record")
-        if kind == "register":
-            pid: Any = r.get("producer")  # raw JSON values: each is checked before it is used
-            _need(isinstance(pid, str) and bool(_PRODUCER_ID.match(pid)), f"register: bad producer id {pid!r}")
-            prev = self.producers.get(pid)
+        assert self.config is not None
+        if isinstance(r, RegisterRecord):
+            prev = self.producers.get(r.producer)
             want = (prev.epoch if prev else 0) + 1
-            _need(
-                _int(r.get("epoch")) and r["epoch"] == want, f"register {pid}: epoch {r.get('epoch')!r} is not {want}"
-            )
-            _need(isinstance(r.get("token"), str), f"register {pid}: token must be a string")
-        elif kind == "commit":
-            self._validate_commit(r)
-        elif kind == "checkpoint":
-            cid, step = r.get("id"), cast(Any, r.get("step"))
-            _need(isinstance(cid, str) and 0 < len(cid) <= 256, f"checkpoint: bad id {cid!r}")
-            _need(_int(step), f"checkpoint {cid}: bad step {step!r}")
+            _need(r.epoch == want, f"register {r.producer}: epoch {r.epoch!r} is not {want}")
+        elif isinstance(r, CommitRecord):
+            self._validate_commit(r, self.config)
+        elif isinstance(r, CheckpointRecord):
+            cid, step = r.id, r.step
             _need(self.first_step <= step <= self.head, f"checkpoint {cid}: step {step} is not retained")
             for c in self.checkpoints:
                 _need(c.id != cid, f"checkpoint {cid}: id already recorded at step {c.step}")
             _need(not self.checkpoints or step >= self.checkpoints[-1].step,
                   f"checkpoint {cid}: step {step} is older than the newest checkpoint")  # fmt: skip
-        elif kind == "release":
-            cid = r.get("id")
-            _need(any(c.id == cid for c in self.checkpoints), f"release: no checkpoint {cid!r}")
-        elif kind == "reclaim":
-            below: Any = r.get("below")
-            _need(_int(below), f"reclaim: bad step {below!r}")
-            _need(below > self.first_step, f"reclaim: steps below {below} are already gone")
-            _need(below <= self.watermark, f"reclaim: step {below} is above the watermark {self.watermark}")
-        elif kind == "rewind":
-            to: Any = r.get("to_step")
-            _need(_int(to, -1), f"rewind: bad step {to!r}")
-            _need(self.first_step - 1 <= to <= self.head, f"rewind: step {to} is not retained")
-        else:
-            raise _Reject(f"unknown record kind {kind!r}")
+        elif isinstance(r, ReleaseRecord):
+            _need(any(c.id == r.id for c in self.checkpoints), f"release: no checkpoint {r.id!r}")
+        elif isinstance(r, ReclaimRecord):
+            _need(r.below > self.first_step, f"reclaim: steps below {r.below} are already gone")
+            _need(r.below <= self.watermark, f"reclaim: step {r.below} is above the watermark {self.watermark}")
+        elif isinstance(r, RewindRecord):
+            _need(self.first_step - 1 <= r.to_step <= self.head, f"rewind: step {r.to_step} is not retained")
 
-    def _validate_commit(self, r: dict[str, Any]) -> None:
-        pid = r.get("producer")
-        p = self.producers.get(pid) if isinstance(pid, str) else None
+    def _validate_commit(self, r: CommitRecord, config: Config) -> None:
+        pid = r.producer
+        p = self.producers.get(pid)
         _need(p is not None, f"commit: producer {pid!r} is not registered")
         assert p is not None
-        epoch, seq = r.get("epoch"), r.get("seq")
-        _need(_int(epoch) and epoch == p.epoch, f"commit {pid}: epoch {epoch!r} is fenced by {p.epoch}")
-        _need(_int(seq) and seq == p.seq + 1, f"commit {pid}: seq {seq!r} is not the next ({p.seq + 1})")
-        _need("lost" not in r or _int(r["lost"]), f"commit {pid}: lost must be a count, not {r.get('lost')!r}")
-        tgbs: Any = r.get("tgbs")
-        _need(isinstance(tgbs, list) and len(tgbs) > 0, f"commit {pid}: tgbs must be a non-empty list")
-        assert self.config is not None
-        w = self.config.world_size
-        for t in tgbs:
-            _need(isinstance(t, dict), f"commit {pid}: a TGB must be an object")
-            _need(_segment_key(t.get("segment")), f"commit {pid}: bad segment key {t.get('segment')!r:.300}")
-            ranks = t.get("ranks")
-            _need(isinstance(ranks, list) and len(ranks) == w, f"commit {pid}: a TGB needs {w} rank slices")
+        _need(r.epoch == p.epoch, f"commit {pid}: epoch {r.epoch!r} is fenced by {p.epoch}")
+        _need(r.seq == p.seq + 1, f"commit {pid}: seq {r.seq!r} is not the next ({p.seq + 1})")
+        w = config.world_size
+        for t in r.tgbs:
+            _need(len(t.ranks) == w, f"commit {pid}: a TGB needs {w} rank slices")
             # Slices tile the segment from offset 0 in rank order (as the codec writes them), hold at
             # most a global batch, and have 32-bit checksums: whatever reads them may rely on it.
             end = samples = 0
-            for rs in ranks:
-                _need(isinstance(rs, list) and len(rs) == 4 and all(_int(x) for x in rs),
-                      f"commit {pid}: bad rank slice {rs!r:.100}")  # fmt: skip
+            for rs in t.ranks:
                 offset, length, crc, n = rs
                 _need(offset == end and length < 1 << 62 and crc < 1 << 32,
-                      f"commit {pid}: rank slice {rs!r} does not follow the previous one at {end}")  # fmt: skip
+                      f"commit {pid}: rank slice {list(rs)!r} does not follow the previous one at {end}")  # fmt: skip
                 end += length
                 samples += n
-            _need(0 < samples <= self.config.global_batch,
-                  f"commit {pid}: a TGB of {samples} samples (global batch {self.config.global_batch})")  # fmt: skip
+            _need(0 < samples <= config.global_batch,
+                  f"commit {pid}: a TGB of {samples} samples (global batch {config.global_batch})")  # fmt: skip
 
-    def _apply(self, version: int, r: dict[str, Any]) -> None:
-        self._validate(version, r)
-        kind = r["kind"]
-        if kind == "create":
-            self.config = Config.from_dict(r["config"])
-        elif kind == "register":
-            p = self.producers.setdefault(r["producer"], ProducerState())
-            p.epoch, p.token, p.last_ts = r["epoch"], r["token"], _ts(r)
-        elif kind == "commit":
-            p = self.producers[r["producer"]]
-            ts = _ts(r)
-            for i, t in enumerate(r["tgbs"]):
+    def _apply(self, version: int, r: Record) -> None:
+        """Apply a record already validated at `version`."""
+        if isinstance(r, CreateRecord):
+            self.config = r.config
+        elif isinstance(r, RegisterRecord):
+            p = self.producers.setdefault(r.producer, ProducerState())
+            p.epoch, p.token, p.last_ts = r.epoch, r.token, r.ts
+        elif isinstance(r, CommitRecord):
+            p = self.producers[r.producer]
+            for i, t in enumerate(r.tgbs):
                 self.steps.append(
                     Step(
                         step=self.head + 1,
                         version=version,
-                        segment=t["segment"],
-                        producer=r["producer"],
-                        epoch=r["epoch"],
-                        seq=r["seq"] + i,
-                        ranks=tuple(RankSlice(*x) for x in t["ranks"]),
-                        cursor=t.get("cursor"),
-                        ts=ts,
+                        segment=t.segment,
+                        producer=r.producer,
+                        epoch=r.epoch,
+                        seq=r.seq + i,
+                        ranks=tuple(RankSlice(*x) for x in t.ranks),
+                        cursor=t.cursor,
+                        ts=r.ts,
                     )  # fmt: skip
                 )
-                p.cursor = t.get("cursor")
-            p.seq = r["seq"] + len(r["tgbs"]) - 1
-            p.last_ts = ts
-            p.lost = r.get("lost", 0)
+                p.cursor = t.cursor
+            p.seq = r.seq + len(r.tgbs) - 1
+            p.last_ts = r.ts
+            p.lost = r.lost
             p.commits += 1
-            p.tgbs += len(r["tgbs"])
-        elif kind == "checkpoint":
-            self.checkpoints.append(Checkpoint(r["id"], r["step"], version))
+            p.tgbs += len(r.tgbs)
+        elif isinstance(r, CheckpointRecord):
+            self.checkpoints.append(Checkpoint(r.id, r.step, version))
             assert self.config is not None
             if self.config.keep_checkpoints:
                 del self.checkpoints[: -self.config.keep_checkpoints]
-        elif kind == "release":
-            self.checkpoints = [c for c in self.checkpoints if c.id != r["id"]]
-        elif kind == "reclaim":
-            below = r["below"]
-            for s in self.steps[: below - self.first_step]:
+        elif isinstance(r, ReleaseRecord):
+            self.checkpoints = [c for c in self.checkpoints if c.id != r.id]
+        elif isinstance(r, ReclaimRecord):
+            for s in self.steps[: r.below - self.first_step]:
                 self.producers[s.producer].base_cursor = s.cursor
-            del self.steps[: below - self.first_step]
-            self.first_step = below
-        elif kind == "rewind":
-            to = r["to_step"]
-            del self.steps[to + 1 - self.first_step :]
-            self.checkpoints = [c for c in self.checkpoints if c.step <= to]
+            del self.steps[: r.below - self.first_step]
+            self.first_step = r.below
+        elif isinstance(r, RewindRecord):
+            del self.steps[r.to_step + 1 - self.first_step :]
+            self.checkpoints = [c for c in self.checkpoints if c.step <= r.to_step]
             self.rewinds += 1
-            # Every producer is fenced and resumes from its cursor as of step `to`.
+            # Every producer is fenced and resumes from its cursor as of step `to_step`.
             last: dict[str, Step] = {}
             for s in self.steps:
                 last[s.producer] = s
@@ -478,46 +381,41 @@ class State:
         rejected must be its newest rejection.
         """
         v = self.version
+        if self.rejected and self.rejected[-1][0] == v:
+            return None  # a no-op at v: nothing more to compare without the state before it
         try:
-            if self.rejected and self.rejected[-1][0] == v:
-                return None  # a no-op at v: nothing more to compare without the state before it
             r = decode_record(data)
-            kind = r["kind"]
-            if kind == "create":
-                ok = v == 0 and self.config == Config.from_dict(r["config"]) and not self.steps
-            elif kind == "register":
-                p = self.producers.get(r["producer"])
-                ok = p is not None and p.epoch == r["epoch"] and p.token == r["token"] and p.last_ts == _ts(r)
-            elif kind == "commit":
-                p, tgbs = self.producers.get(r["producer"]), r["tgbs"]
-                n = len(tgbs)
-                tail = self.steps[-n:] if 0 < n <= len(self.steps) else []
-                ok = (
-                    p is not None and len(tail) == n and p.seq == r["seq"] + n - 1
-                    and p.cursor == tgbs[-1].get("cursor") and p.lost == r.get("lost", 0)
-                    and (n == len(self.steps) or self.steps[-n - 1].version < v)
-                    and all(
-                        s.version == v and s.producer == r["producer"] and s.epoch == r["epoch"]
-                        and s.seq == r["seq"] + i and s.segment == t["segment"] and s.ts == _ts(r)
-                        and [[x.offset, x.length, x.crc32, x.samples] for x in s.ranks] == t["ranks"]
-                        and s.cursor == t.get("cursor")
-                        for i, (s, t) in enumerate(zip(tail, tgbs, strict=True))
-                    )
-                )  # fmt: skip
-            elif kind == "checkpoint":
-                last = self.checkpoints[-1] if self.checkpoints else None
-                ok = last is not None and (last.id, last.step, last.version) == (r["id"], r["step"], v)
-            elif kind == "release":
-                ok = all(c.id != r["id"] for c in self.checkpoints)
-            elif kind == "reclaim":
-                ok = self.first_step == r["below"]
-            elif kind == "rewind":
-                ok = self.head == r["to_step"] and all(p.token == "" for p in self.producers.values())
-            else:
-                return f"the record at version {v} is a {kind!r:.40} record, which this state did not reject"
-        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
-            return f"the record at version {v} does not fit this state ({type(e).__name__}: {e})"
-        return None if ok else f"the state does not reflect the {kind} record at version {v}"
+        except RecordError as e:
+            return f"the record at version {v} is malformed ({e}), which this state did not reject"
+        if isinstance(r, CreateRecord):
+            ok = v == 0 and self.config == r.config and not self.steps
+        elif isinstance(r, RegisterRecord):
+            p = self.producers.get(r.producer)
+            ok = p is not None and (p.epoch, p.token, p.last_ts) == (r.epoch, r.token, r.ts)
+        elif isinstance(r, CommitRecord):
+            p, n = self.producers.get(r.producer), len(r.tgbs)
+            tail = self.steps[-n:] if n <= len(self.steps) else []
+            ok = (
+                p is not None and len(tail) == n and p.seq == r.seq + n - 1
+                and p.cursor == r.tgbs[-1].cursor and p.lost == r.lost
+                and (n == len(self.steps) or self.steps[-n - 1].version < v)
+                and all(
+                    (s.version, s.producer, s.epoch, s.seq, s.segment, s.ts, s.cursor)
+                    == (v, r.producer, r.epoch, r.seq + i, t.segment, r.ts, t.cursor)
+                    and tuple((x.offset, x.length, x.crc32, x.samples) for x in s.ranks) == t.ranks
+                    for i, (s, t) in enumerate(zip(tail, r.tgbs, strict=True))
+                )
+            )  # fmt: skip
+        elif isinstance(r, CheckpointRecord):
+            last = self.checkpoints[-1] if self.checkpoints else None
+            ok = last is not None and (last.id, last.step, last.version) == (r.id, r.step, v)
+        elif isinstance(r, ReleaseRecord):
+            ok = all(c.id != r.id for c in self.checkpoints)
+        elif isinstance(r, ReclaimRecord):
+            ok = self.first_step == r.below
+        else:
+            ok = self.head == r.to_step and all(p.token == "" for p in self.producers.values())
+        return None if ok else f"the state does not reflect the {r.kind} record at version {v}"
 
 
 # -- snapshot validation ---------------------------------------------------------------------------
@@ -554,7 +452,7 @@ def _state_from_dict(d: dict[str, Any]) -> State:
     if not isinstance(d["producers"], dict):
         raise _bad("producers is not an object")
     for pid, raw in d["producers"].items():
-        if not _PRODUCER_ID.match(pid):
+        if not PRODUCER_ID.match(pid):
             raise _bad(f"bad producer id {pid!r:.140}")
         if not (isinstance(raw, dict) and raw.keys() <= _PRODUCER_KEYS):
             raise _bad(f"producer {pid}: {raw!r:.200} is not a producer")

@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 
 from ._errors import CorruptData, ObjectNotFound
-from ._manifest import LOG_PREFIX, _version_of
+from ._layout import LOG_PREFIX, version_of
 from ._retry import retry
 from ._segment import check_slice, index_slice
 from ._state import State, Step
@@ -91,9 +91,7 @@ async def _check_step(
 async def _check_log_tail(store: ObjectStore, state: State, report: VerifyReport) -> None:
     """Log versions past the tail sit behind a hole: every reader stops at the first missing one."""
     beyond = sorted(
-        v
-        for k in await retry(lambda: store.list(LOG_PREFIX))
-        if (v := _version_of(k)) is not None and v > state.version
+        v for k in await retry(lambda: store.list(LOG_PREFIX)) if (v := version_of(k)) is not None and v > state.version
     )
     if beyond:
         report.problems.append(

@@ -19,6 +19,7 @@ from lakestream import (
 )
 from lakestream._manifest import Manifest, log_key, snapshot_key
 from lakestream._producer import Producer
+from lakestream._records import RegisterRecord
 from lakestream._store import FileStore, MemoryStore
 from lakestream.testing import FaultyStore
 
@@ -207,8 +208,8 @@ async def test_a_refresh_in_another_task_while_appending() -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(refresher)
         for i in range(40):
-            await m.append(lambda st, i=i: {"kind": "register", "producer": "p", "epoch": i + 1, "token": "t"})
-            await other.append(lambda st, i=i: {"kind": "register", "producer": "q", "epoch": i + 1, "token": "t"})
+            await m.append(lambda st, _, i=i: RegisterRecord("p", i + 1, "t"))
+            await other.append(lambda st, _, i=i: RegisterRecord("q", i + 1, "t"))
         done.set()
     await m.refresh()
     assert m.state.producers["p"].epoch == 40 and m.state.producers["q"].epoch == 40 and not m.state.rejected
@@ -291,8 +292,8 @@ async def test_a_long_stalled_writer_reloads_before_it_puts() -> None:
     await produce(store, "other", 3 * B)
     top = await _gc_log(store, Manifest(store))
     clock.now += 100
-    version = await writer.append(lambda s: {"kind": "register", "producer": "late", "epoch": 1, "token": "t"})
-    assert version == top + 1
+    result = await writer.append(lambda s, _: RegisterRecord("late", 1, "t"))
+    assert result.version == top + 1
     assert (await Manifest(store).load()).producers["late"].epoch == 1
 
 

@@ -19,6 +19,7 @@ from cliutil import describe, run_cli
 import lakestream
 from lakestream import CorruptData, InvalidSample, StoreUnavailable
 from lakestream._manifest import log_key
+from lakestream._records import CommitRecord, Record, RewindRecord, TgbRef, encode_record
 from lakestream._segment import MAGIC
 from lakestream._store import MemoryStore
 
@@ -40,29 +41,33 @@ async def make_stream(root: Path, steps: int = 2, producer: str = "a") -> str:
     return url
 
 
-def plant(root: Path, record: dict[str, Any]) -> int:
+def plant(root: Path, record: Record) -> int:
     """Write `record` at the next log version by hand; the version."""
     log = root / "_lakestream" / "log"
     version = max(int(p.stem) for p in log.glob("*.json")) + 1
-    (root / log_key(version)).write_bytes(orjson.dumps(record))
+    (root / log_key(version)).write_bytes(encode_record(record))
     return version
 
 
-def commit_of(root: Path, slices: list[bytes], segment: str = "segments/a/9-9-hostile.tgb") -> dict[str, Any]:
-    """A commit record for producer a's next seq holding one TGB made of `slices` (one per rank)."""
+def commit_of(
+    root: Path,
+    slices: list[bytes],
+    segment: str = "segments/a/9-9-hostile.tgb",
+    *,
+    lengths: dict[int, int] | None = None,
+) -> CommitRecord:
+    """A commit record for producer a's next seq holding one TGB made of `slices` (one per rank);
+    `lengths` overrides what the record claims for some ranks' lengths."""
     state = json.loads(run_cli("status", f"file://{root}", "--json", check=True).stdout)
     path = root / segment
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"".join(slices))
     ranks, offset = [], 0
-    for data in slices:
-        ranks.append([offset, len(data), zlib.crc32(data), 1])
+    for rank, data in enumerate(slices):
+        ranks.append((offset, (lengths or {}).get(rank, len(data)), zlib.crc32(data), 1))
         offset += len(data)
     a = state["producers"]["a"]
-    return {
-        "kind": "commit", "producer": "a", "epoch": a["epoch"], "seq": a["seq"] + 1, "ts": 0.0,
-        "tgbs": [{"segment": segment, "ranks": ranks, "cursor": 999}],
-    }  # fmt: skip
+    return CommitRecord("a", a["epoch"], a["seq"] + 1, (TgbRef(segment, tuple(ranks), 999),))
 
 
 # -- 1. names stored in a segment --------------------------------------------------------------
@@ -113,9 +118,8 @@ async def test_a_slice_with_duplicate_keys_or_fields_is_corrupt(tmp_path: Path) 
 async def test_a_slice_claiming_more_bytes_than_its_segment_holds_allocates_nothing(tmp_path: Path) -> None:
     root = tmp_path / "s"
     url = await make_stream(root)
-    record = commit_of(root, [raw_slice([["k", [["a", "b", 1]]]], b"x"), raw_slice([["l", [["a", "b", 1]]]], b"y")])
-    first = record["tgbs"][0]["ranks"]
-    first[1] = [first[0][1], 10**12, first[1][2], 1]  # rank 1 claims a terabyte of a 60-byte object
+    slices = [raw_slice([["k", [["a", "b", 1]]]], b"x"), raw_slice([["l", [["a", "b", 1]]]], b"y")]
+    record = commit_of(root, slices, lengths={1: 10**12})  # rank 1 claims a terabyte of a 60-byte object
     plant(root, record)
     head = (await lakestream.load_state(url)).head
     async with lakestream.open_reader(url, 1) as r:
@@ -128,8 +132,9 @@ async def test_a_slice_that_does_not_follow_the_previous_one_is_a_rejected_recor
     url = await make_stream(root)
     before = await lakestream.load_state(url)
     record = commit_of(root, [raw_slice([["k", [["a", "b", 1]]]], b"x")] * 2)
-    record["tgbs"][0]["ranks"][1][0] = 0  # both ranks claim the same bytes
-    version = plant(root, record)
+    (first, second) = record.tgbs[0].ranks
+    both_at_0 = TgbRef(record.tgbs[0].segment, (first, (0, *second[1:])), None)  # both claim the same bytes
+    version = plant(root, CommitRecord("a", record.epoch, record.seq, (both_at_0,)))
     state = await lakestream.load_state(url)
     assert state.head == before.head and [v for v, _ in state.rejected] == [version]
 
@@ -201,9 +206,8 @@ async def test_verify_reports_a_commit_that_reuses_another_steps_segment(tmp_pat
     old = state.step(0)
     assert old is not None
     a = state.producers["a"]
-    ranks = [[r.offset, r.length, r.crc32, r.samples] for r in old.ranks]
-    plant(root, {"kind": "commit", "producer": "a", "epoch": a.epoch, "seq": a.seq + 1, "ts": 0.0,
-                 "tgbs": [{"segment": old.segment, "ranks": ranks, "cursor": 1}]})  # fmt: skip
+    ranks = tuple((r.offset, r.length, r.crc32, r.samples) for r in old.ranks)
+    plant(root, CommitRecord("a", a.epoch, a.seq + 1, (TgbRef(old.segment, ranks, 1),)))
     report = await lakestream.verify(url)
     assert any(f"the segment of step {old.step} again" in p for p in report.problems), report.problems
     r = run_cli("verify", url, check=False)
@@ -232,7 +236,7 @@ async def test_verify_reports_a_record_planted_after_a_hole_in_the_log(tmp_path:
         await lakestream.gc(url)  # writes a snapshot of the tail
         assert list((root / "_lakestream" / "snapshots").iterdir())
     state = await lakestream.load_state(url)
-    (root / log_key(state.version + 2)).write_bytes(orjson.dumps({"kind": "rewind", "to_step": -1, "ts": 0}))
+    (root / log_key(state.version + 2)).write_bytes(encode_record(RewindRecord(-1)))
     if not snapshots:  # read from version 0, the loader itself sees versions past where it stopped
         with pytest.raises(CorruptData, match=f"hole: version {state.version + 1} "):
             await lakestream.verify(url)

@@ -9,9 +9,9 @@ import pytest
 
 import lakestream
 from lakestream import ConfigMismatch, ProducerFenced, StepUnavailable
+from lakestream._layout import segment_key
 from lakestream._manifest import LOG_PREFIX, SNAPSHOT_PREFIX, Manifest, log_key
 from lakestream._pacing import IntervalPolicy
-from lakestream._producer import segment_key
 from lakestream._store import FileStore, MemoryStore
 
 B = 4

@@ -23,9 +23,18 @@ from hypothesis import strategies as st
 from mountutil import MountProc, read_tree
 
 import lakestream
-from lakestream import CorruptData, State
+from lakestream import Config, CorruptData, State
 from lakestream._manifest import HINT_KEY, LOG_PREFIX, Manifest, log_key, snapshot_key
-from lakestream._state import encode_record
+from lakestream._records import (
+    CheckpointRecord,
+    CommitRecord,
+    CreateRecord,
+    ReclaimRecord,
+    RegisterRecord,
+    RewindRecord,
+    TgbRef,
+    encode_record,
+)
 
 W, B = 2, 4
 
@@ -361,27 +370,26 @@ RANKS = [[0, 10, 7, 2], [10, 12, 9, 2]]  # two rank slices tiling a 22-byte segm
 
 
 def _commit(pid: str, epoch: int, seq: int, n: int, first: int) -> bytes:
-    tgbs = [
-        {"segment": f"segments/{pid}/{epoch}-{seq + i}-x.tgb", "ranks": RANKS, "cursor": first + i} for i in range(n)
-    ]
-    return encode_record({"kind": "commit", "producer": pid, "epoch": epoch, "seq": seq, "tgbs": tgbs, "ts": 1.5 + seq})
+    ranks = tuple(tuple(r) for r in RANKS)
+    tgbs = tuple(TgbRef(f"segments/{pid}/{epoch}-{seq + i}-x.tgb", ranks, first + i) for i in range(n))  # type: ignore[arg-type]
+    return encode_record(CommitRecord(pid, epoch, seq, tgbs, ts=1.5 + seq))
 
 
 def rich_state() -> State:
     """A state touched by every record kind, including a rejected one."""
     log = [
-        encode_record({"kind": "create", "config": {"world_size": W, "global_batch": B, "keep_checkpoints": 2}}),
-        encode_record({"kind": "register", "producer": "a", "epoch": 1, "token": "t1", "ts": 1.0}),
-        encode_record({"kind": "register", "producer": "b", "epoch": 1, "token": "t2", "ts": 1.25}),
+        encode_record(CreateRecord(Config(world_size=W, global_batch=B, keep_checkpoints=2))),
+        encode_record(RegisterRecord("a", 1, "t1", 1.0)),
+        encode_record(RegisterRecord("b", 1, "t2", 1.25)),
         _commit("a", 1, 0, 2, 0),
         _commit("b", 1, 0, 1, 100),
-        encode_record({"kind": "checkpoint", "id": "c1", "step": 1, "ts": 2.0}),
+        encode_record(CheckpointRecord("c1", 1, 2.0)),
         _commit("a", 1, 2, 3, 2),
-        encode_record({"kind": "checkpoint", "id": "c2", "step": 4, "ts": 2.5}),
-        encode_record({"kind": "reclaim", "below": 1, "ts": 3.0}),
+        encode_record(CheckpointRecord("c2", 4, 2.5)),
+        encode_record(ReclaimRecord(1, 3.0)),
         b'{"kind": "nope"}',
-        encode_record({"kind": "rewind", "to_step": 4, "ts": 4.0}),
-        encode_record({"kind": "register", "producer": "a", "epoch": 3, "token": "t3", "ts": 5.0}),
+        encode_record(RewindRecord(4, 4.0)),
+        encode_record(RegisterRecord("a", 3, "t3", 5.0)),
         _commit("a", 3, 5, 1, 5),
     ]
     s = State()

@@ -9,22 +9,36 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from lakestream import Config, State
-from lakestream._state import encode_record
+from lakestream._records import (
+    CheckpointRecord,
+    CommitRecord,
+    CreateRecord,
+    ReclaimRecord,
+    Record,
+    RegisterRecord,
+    ReleaseRecord,
+    RewindRecord,
+    TgbRef,
+    encode_record,
+)
 
 W = 2
 
 
 def create(**kw: int) -> bytes:
-    return encode_record({"kind": "create", "config": Config(world_size=W, global_batch=4, **kw).to_dict()})
+    return encode_record(CreateRecord(Config(world_size=W, global_batch=4, **kw)))
 
 
 def register(pid: str, epoch: int, token: str = "t") -> bytes:
-    return encode_record({"kind": "register", "producer": pid, "epoch": epoch, "token": token})
+    return encode_record(RegisterRecord(pid, epoch, token))
 
 
-def commit(pid: str, epoch: int, seq: int, n: int = 1, cursor: object = None) -> bytes:
-    tgb = {"segment": f"segments/{pid}/x", "ranks": [[0, 10, 1, 2], [10, 10, 2, 2]], "cursor": cursor}
-    return encode_record({"kind": "commit", "producer": pid, "epoch": epoch, "seq": seq, "tgbs": [tgb] * n})
+def tgb(pid: str, cursor: object = None) -> TgbRef:
+    return TgbRef(f"segments/{pid}/x", ((0, 10, 1, 2), (10, 10, 2, 2)), cursor)
+
+
+def commit(pid: str, epoch: int, seq: int, n: int = 1, cursor: object = None, lost: int = 0) -> bytes:
+    return encode_record(CommitRecord(pid, epoch, seq, (tgb(pid, cursor),) * n, lost))
 
 
 def replay(records: list[bytes]) -> State:
@@ -43,8 +57,7 @@ def test_commit_assigns_gap_free_steps_and_advances_cursor() -> None:
 
 
 def test_commit_records_the_races_it_lost() -> None:
-    tgb = {"segment": "segments/a/x", "ranks": [[0, 10, 1, 2], [10, 10, 2, 2]], "cursor": None}
-    lost = encode_record({"kind": "commit", "producer": "a", "epoch": 1, "seq": 1, "lost": 3, "tgbs": [tgb]})
+    lost = commit("a", 1, 1, lost=3)
     s = replay([create(), register("a", 1), commit("a", 1, 0)])
     assert s.producers["a"].lost == 0
     assert s.apply(3, lost) is None and s.producers["a"].lost == 3
@@ -188,13 +201,13 @@ class ManifestMachine(RuleBasedStateMachine):
         self.ckpts: list[tuple[str, int]] = []
         self.n = 0
 
-    def put(self, rec: dict) -> str | None:
+    def put(self, rec: Record) -> str | None:
         return self.state.apply(self.state.version + 1, encode_record(rec))
 
     @rule(p=producers)
     def register(self, p: str) -> None:
         e = self.epochs.get(p, 0) + 1
-        assert self.put({"kind": "register", "producer": p, "epoch": e, "token": "x"}) is None
+        assert self.put(RegisterRecord(p, e, "x")) is None
         self.epochs[p] = e
 
     @rule(p=producers, n=st.integers(1, 3), stale=st.booleans())
@@ -220,20 +233,20 @@ class ManifestMachine(RuleBasedStateMachine):
             return
         step = data.draw(st.integers(lo, head))
         self.n += 1
-        assert self.put({"kind": "checkpoint", "id": f"c{self.n}", "step": step}) is None
+        assert self.put(CheckpointRecord(f"c{self.n}", step)) is None
         self.ckpts = [*self.ckpts, (f"c{self.n}", step)][-2:]
 
     @precondition(lambda self: self.ckpts)
     @rule()
     def release_oldest(self) -> None:
-        assert self.put({"kind": "release", "id": self.ckpts[0][0]}) is None
+        assert self.put(ReleaseRecord(self.ckpts[0][0])) is None
         self.ckpts.pop(0)
 
     @precondition(lambda self: self.ckpts and self.ckpts[0][1] > self.first)
     @rule()
     def reclaim(self) -> None:
         below = self.ckpts[0][1]
-        assert self.put({"kind": "reclaim", "below": below}) is None
+        assert self.put(ReclaimRecord(below)) is None
         del self.model_steps[: below - self.first]
         self.first = below
 
@@ -241,7 +254,7 @@ class ManifestMachine(RuleBasedStateMachine):
     def rewind(self, data: st.DataObject) -> None:
         head = self.first + len(self.model_steps) - 1
         to = data.draw(st.integers(self.first - 1, head))
-        assert self.put({"kind": "rewind", "to_step": to}) is None
+        assert self.put(RewindRecord(to)) is None
         del self.model_steps[to + 1 - self.first :]
         self.ckpts = [c for c in self.ckpts if c[1] <= to]
         for p in self.epochs:

@@ -21,11 +21,11 @@ from pathlib import Path
 import anyio.to_thread
 
 from .._errors import AccessDenied, CorruptData, LakestreamError, ObjectNotFound, StoreError, StoreFull
+from .._layout import TMP_SUFFIX
 
 __all__ = ["FileStore"]
 
 MMAP_THRESHOLD = 1 << 20
-TMP_SUFFIX = ".tmp"
 
 
 class FileStore:

@@ -58,6 +58,7 @@ import orjson
 import pyfuse3
 
 import lakestream
+from lakestream import _layout as layout
 from lakestream._retry import Backoff  # the library's one backoff policy (same distribution)
 
 from ._mounts import mounts_at
@@ -72,9 +73,9 @@ RANK_BASE = 16  # rank r: directory RANK_BASE + 2r, `latest` RANK_BASE + 2r + 1;
 META = -1  # the file index of `_meta.json`
 FOREVER = 24 * 3600.0
 EXPIRED_GRACE = 0.5  # seconds a step whose wait ran out is reported missing without a new wait
-STATUS_NAME = b"_status.json"
-META_NAME = b"_meta.json"
-LATEST_NAME = b"latest"
+STATUS_NAME = layout.STATUS_NAME.encode()
+META_NAME = layout.META_NAME.encode()
+LATEST_NAME = layout.LATEST_NAME.encode()
 
 T = TypeVar("T")
 P = ParamSpec("P")

@@ -1,0 +1,156 @@
+"""What to write: the send half of the protocol, as pure functions. No I/O, no clock.
+
+Each operation is a function of the state the record will follow and of what the caller wants
+(its intent); it returns the record to append, None when nothing is left to do (an earlier
+attempt whose answer was lost already landed), or raises the domain error. `Manifest.append`
+calls it again on the newer state after every lost race, so a decision is always made on the
+state its record will follow:
+
+    refresh → decide(state) → put-if-absent(version + 1) → lost? refresh, decide again
+
+A record a decision returns is always valid at the next version (`State.check` agrees); the
+lifecycle rules therefore exist once, here, and `State.apply` enforces them for every reader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._config import Config
+from ._errors import ConfigMismatch, ProducerFenced, StepUnavailable
+from ._records import (
+    CheckpointRecord,
+    CommitRecord,
+    CreateRecord,
+    ReclaimRecord,
+    RegisterRecord,
+    ReleaseRecord,
+    RewindRecord,
+    TgbRef,
+)
+from ._state import ProducerState, State
+
+__all__ = [
+    "PendingTgb",
+    "checkpoint",
+    "commit",
+    "create",
+    "current_incarnation",
+    "reclaim",
+    "register",
+    "release",
+    "rewind",
+]
+
+
+def create(config: Config, now: float) -> CreateRecord:
+    return CreateRecord(config, now)
+
+
+def register(state: State, producer: str, token: str, now: float) -> RegisterRecord | None:
+    """A new incarnation of `producer` (`token` is its random id), fencing every older one."""
+    p = state.producers.get(producer)
+    if p is not None and p.token == token:
+        return None  # an earlier attempt, whose answer was lost, landed
+    return RegisterRecord(producer, (p.epoch if p else 0) + 1, token, now)
+
+
+def current_incarnation(state: State, producer: str, epoch: int, url: str = "") -> ProducerState:
+    """The producer's state, if `epoch` is still its current incarnation; else ProducerFenced."""
+    p = state.producers.get(producer)
+    if p is None or p.epoch != epoch:
+        raise ProducerFenced(
+            f"{url}: producer {producer!r} epoch {epoch} is fenced (the manifest has epoch {p.epoch if p else None})"
+        )
+    return p
+
+
+@dataclass(frozen=True, slots=True)
+class PendingTgb:
+    """An uploaded TGB waiting for its commit: its sequence number and where it is."""
+
+    seq: int
+    ref: TgbRef
+
+
+def commit(
+    state: State, producer: str, epoch: int, pending: Sequence[PendingTgb], lost: int, now: float, url: str = ""
+) -> CommitRecord | None:
+    """Commit the `pending` TGBs (in sequence order) that are not committed yet; `lost` is the
+    number of races this commit has lost so far. Raises ProducerFenced."""
+    p = current_incarnation(state, producer, epoch, url)
+    todo = [t for t in pending if t.seq > p.seq]
+    if not todo:
+        return None  # all landed (an ambiguous put whose answer was lost)
+    return CommitRecord(producer, epoch, todo[0].seq, tuple(t.ref for t in todo), lost, now)
+
+
+def checkpoint(state: State, checkpoint_id: str, step: int, now: float, url: str = "") -> CheckpointRecord | None:
+    """Retain `step` for the trainer's checkpoint `checkpoint_id`; None if already recorded.
+
+    Raises ConfigMismatch (the id at another step), StepUnavailable (the step is not committed or
+    not retained) and ValueError (older than the newest checkpoint).
+    """
+    for c in state.checkpoints:
+        if c.id == checkpoint_id:
+            if c.step != step:
+                raise ConfigMismatch(f"{url}: checkpoint {checkpoint_id!r} is at step {c.step}, not {step}")
+            return None
+    if not state.first_step <= step <= state.head:
+        raise StepUnavailable(
+            f"{url}: cannot checkpoint step {step}: readable steps are {state.first_step}..{state.head}"
+        )
+    if state.checkpoints and step < state.checkpoints[-1].step:
+        newest = state.checkpoints[-1]
+        raise ValueError(
+            f"{url}: checkpoint step {step} is older than the newest checkpoint {newest.id!r} at step {newest.step}"
+        )
+    if not 0 < len(checkpoint_id) <= 256:
+        raise ValueError(f"{url}: a checkpoint id is 1 to 256 characters, not {len(checkpoint_id)}")
+    return CheckpointRecord(checkpoint_id, step, now)
+
+
+def release(state: State, checkpoint_id: str, now: float) -> ReleaseRecord | None:
+    """Drop a retained checkpoint; None if it is not retained."""
+    if not any(c.id == checkpoint_id for c in state.checkpoints):
+        return None
+    return ReleaseRecord(checkpoint_id, now)
+
+
+def rewind(
+    state: State,
+    *,
+    to_checkpoint: str | None = None,
+    to_step: int | None = None,
+    rewinds_before: int,
+    now: float,
+    url: str = "",
+) -> RewindRecord | None:
+    """Discard the steps after a retained checkpoint (or `to_step`). None once a rewind landed
+    after the caller's view (`rewinds_before`): its own earlier attempt, or another one.
+
+    Raises StepUnavailable for a checkpoint that is not retained or a step not readable.
+    """
+    if (to_checkpoint is None) == (to_step is None):
+        raise ValueError("rewind needs exactly one of to_checkpoint and to_step")
+    if state.rewinds > rewinds_before:
+        return None
+    target = to_step
+    if to_checkpoint is not None:
+        found = [c for c in state.checkpoints if c.id == to_checkpoint]
+        if not found:
+            have = ", ".join(f"{c.id}@{c.step}" for c in state.checkpoints) or "none"
+            raise StepUnavailable(f"{url}: no retained checkpoint {to_checkpoint!r} (retained: {have})")
+        target = found[0].step
+    assert target is not None
+    if not state.first_step - 1 <= target <= state.head:
+        raise StepUnavailable(
+            f"{url}: cannot rewind to step {target}: readable steps are {state.first_step}..{state.head}"
+        )
+    return RewindRecord(target, now)
+
+
+def reclaim(state: State, now: float) -> ReclaimRecord | None:
+    """Steps below the watermark leave the manifest; None if there are none."""
+    return ReclaimRecord(state.watermark, now) if state.watermark > state.first_step else None

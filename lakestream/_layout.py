@@ -1,0 +1,87 @@
+"""Every name Lakestream gives to something on a store or in the mount, in one place. No I/O.
+
+    <stream>/_lakestream/log/<version:020d>.json               one record per version
+    <stream>/_lakestream/snapshots/<version:020d>.json         the state at that version
+    <stream>/_lakestream/last_snapshot                         hint {"version": v}
+    <stream>/segments/<producer>/<epoch>-<seq>-<t><rand>.tgb   one immutable object per TGB
+    .<name>.<hex>.tmp beside an object                         a put in progress (file://)
+
+    MOUNT/_status.json, MOUNT/rank-<r>/latest, MOUNT/rank-<r>/<step:012d>/<key>.<field>,
+    MOUNT/rank-<r>/<step:012d>/_meta.json
+
+docs/format.md describes each format; this module only names things and parses names back.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+__all__ = [
+    "HINT_KEY",
+    "KEY_FIELD",
+    "LATEST_NAME",
+    "LOG_PREFIX",
+    "META_NAME",
+    "RESERVED_KEYS",
+    "SEGMENTS_PREFIX",
+    "SNAPSHOT_PREFIX",
+    "STATUS_NAME",
+    "TMP_SUFFIX",
+    "log_key",
+    "parse_segment_key",
+    "rank_dir",
+    "segment_key",
+    "snapshot_key",
+    "step_dir",
+    "version_of",
+]
+
+LOG_PREFIX = "_lakestream/log/"
+SNAPSHOT_PREFIX = "_lakestream/snapshots/"
+HINT_KEY = "_lakestream/last_snapshot"
+SEGMENTS_PREFIX = "segments/"
+TMP_SUFFIX = ".tmp"
+
+KEY_FIELD = "__key__"  # the sample member that names the sample
+STATUS_NAME = "_status.json"  # the mount's status file, at its root
+META_NAME = "_meta.json"  # the mount's index of one rank slice, in its step directory
+LATEST_NAME = "latest"  # the mount's symlink to a rank's newest step
+RESERVED_KEYS = frozenset({STATUS_NAME.removesuffix(".json"), META_NAME.removesuffix(".json")})
+
+
+def log_key(version: int) -> str:
+    return f"{LOG_PREFIX}{version:020d}.json"
+
+
+def snapshot_key(version: int) -> str:
+    return f"{SNAPSHOT_PREFIX}{version:020d}.json"
+
+
+def version_of(key: str) -> int | None:
+    """The version of a log or snapshot key, or None if it is not one."""
+    stem = key.rsplit("/", 1)[-1].removesuffix(".json")
+    return int(stem) if stem.isdigit() and len(stem) == 20 else None
+
+
+def segment_key(producer: str, epoch: int, seq: int, now: float) -> str:
+    """`segments/<producer>/<epoch>-<seq>-<t><rand>.tgb`: `t` is the upload time in ms (12 hex
+    digits), so that GC can tell an old orphan from an upload whose commit is still on its way."""
+    return f"{SEGMENTS_PREFIX}{producer}/{epoch}-{seq}-{int(now * 1000):012x}{uuid.uuid4().hex[:20]}.tgb"
+
+
+def parse_segment_key(key: str) -> tuple[str, int, int, float] | None:
+    """(producer, epoch, seq, upload time) of a segment key, or None if it is not one."""
+    try:
+        _, producer, name = key.split("/")
+        epoch, seq, rest = name.removesuffix(".tgb").split("-")
+        return producer, int(epoch), int(seq), int(rest[:12], 16) / 1000
+    except ValueError:
+        return None
+
+
+def rank_dir(rank: int) -> str:
+    return f"rank-{rank}"
+
+
+def step_dir(step: int) -> str:
+    return f"{step:012d}"

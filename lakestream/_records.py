@@ -1,0 +1,252 @@
+"""Manifest log records: one frozen class per kind, and their one codec. No I/O.
+
+A log version holds one record, a JSON object with a string `kind` (docs/format.md gives every
+member). `decode_record` checks a record's *schema* — every member's type and range, the
+segment key's shape — and returns the typed record, or raises RecordError saying what is wrong.
+Whether a well-formed record is valid *at its position* (a current epoch, the next sequence
+number, a retained step …) is the state machine's question (`_state.State.apply`); what to write
+is the decisions' (`_decisions`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import orjson
+
+from ._config import Config
+
+__all__ = [
+    "CheckpointRecord",
+    "CommitRecord",
+    "CreateRecord",
+    "ReclaimRecord",
+    "Record",
+    "RecordError",
+    "RegisterRecord",
+    "ReleaseRecord",
+    "RewindRecord",
+    "TgbRef",
+    "decode_record",
+    "encode_record",
+]
+
+PRODUCER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_CHECKPOINT_ID = 256
+MAX_SEGMENT_KEY = 1024
+
+
+class RecordError(ValueError):
+    """Bytes at a log version that are not a well-formed record (a no-op for every reader)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CreateRecord:
+    """Version 0: the stream's shape, fixed for its life."""
+
+    config: Config
+    ts: float = 0.0
+    kind: ClassVar[str] = "create"
+
+    def members(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict(), "ts": self.ts}
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterRecord:
+    """A producer incarnation: `epoch` is the id's previous epoch + 1, fencing older ones."""
+
+    producer: str
+    epoch: int
+    token: str
+    ts: float = 0.0
+    kind: ClassVar[str] = "register"
+
+    def members(self) -> dict[str, Any]:
+        return {"producer": self.producer, "epoch": self.epoch, "token": self.token, "ts": self.ts}
+
+
+@dataclass(frozen=True, slots=True)
+class TgbRef:
+    """One TGB of a commit: its segment, each rank's (offset, length, crc32, samples), the cursor."""
+
+    segment: str
+    ranks: tuple[tuple[int, int, int, int], ...]
+    cursor: Any = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"segment": self.segment, "ranks": [list(r) for r in self.ranks], "cursor": self.cursor}
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRecord:
+    """TGBs `seq`, `seq + 1` … of a producer, appended as the next steps in this order."""
+
+    producer: str
+    epoch: int
+    seq: int
+    tgbs: tuple[TgbRef, ...]
+    lost: int = 0  # races this commit lost before it landed (what commit pacing listens to)
+    ts: float = 0.0
+    kind: ClassVar[str] = "commit"
+
+    def members(self) -> dict[str, Any]:
+        return {
+            "producer": self.producer, "epoch": self.epoch, "seq": self.seq, "ts": self.ts, "lost": self.lost,
+            "tgbs": [t.to_dict() for t in self.tgbs],
+        }  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRecord:
+    """The trainer's checkpoint `id` at `step` is durable: retain the step."""
+
+    id: str
+    step: int
+    ts: float = 0.0
+    kind: ClassVar[str] = "checkpoint"
+
+    def members(self) -> dict[str, Any]:
+        return {"id": self.id, "step": self.step, "ts": self.ts}
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseRecord:
+    id: str
+    ts: float = 0.0
+    kind: ClassVar[str] = "release"
+
+    def members(self) -> dict[str, Any]:
+        return {"id": self.id, "ts": self.ts}
+
+
+@dataclass(frozen=True, slots=True)
+class ReclaimRecord:
+    """Steps below `below` (at most the watermark) leave the manifest."""
+
+    below: int
+    ts: float = 0.0
+    kind: ClassVar[str] = "reclaim"
+
+    def members(self) -> dict[str, Any]:
+        return {"below": self.below, "ts": self.ts}
+
+
+@dataclass(frozen=True, slots=True)
+class RewindRecord:
+    """Discard the steps after `to_step` and fence every producer."""
+
+    to_step: int
+    ts: float = 0.0
+    kind: ClassVar[str] = "rewind"
+
+    def members(self) -> dict[str, Any]:
+        return {"to_step": self.to_step, "ts": self.ts}
+
+
+Record = CreateRecord | RegisterRecord | CommitRecord | CheckpointRecord | ReleaseRecord | ReclaimRecord | RewindRecord
+
+
+def encode_record(record: Record) -> bytes:
+    """The record's bytes: one JSON object, `kind` first."""
+    return orjson.dumps({"kind": record.kind, **record.members()})
+
+
+# -- decoding: untrusted bytes in, a typed record or RecordError out -------------------------------
+
+
+@dataclass(slots=True)
+class _Fields:
+    """A record's members, read one by one with the check each needs."""
+
+    r: Mapping[str, Any]
+    what: str = field(default="")
+
+    def need(self, ok: bool, why: str) -> None:
+        if not ok:
+            raise RecordError(why)
+
+    def int(self, name: str, lo: int = 0, *, why: str = "") -> int:
+        v = self.r.get(name)
+        self.need(type(v) is int and v >= lo, why or f"{self.what}: bad {name} {v!r:.60}")
+        return int(v)  # type: ignore[arg-type]
+
+    def str(self, name: str, *, why: str = "") -> str:
+        v = self.r.get(name)
+        self.need(isinstance(v, str), why or f"{self.what}: {name} must be a string")
+        return str(v)
+
+    def ts(self) -> float:
+        ts = self.r.get("ts", 0.0)
+        return float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) else 0.0
+
+
+def segment_key_ok(key: Any) -> bool:
+    """`segments/…`: relative, '/'-separated, no empty, hidden, '.' or '..' part, at most 1 KiB."""
+    if not isinstance(key, str) or not key.startswith("segments/") or len(key) > MAX_SEGMENT_KEY or "\\" in key:
+        return False
+    return all(part and not part.startswith(".") and part.isprintable() for part in key.split("/"))
+
+
+def _tgb(f: _Fields, t: Any) -> TgbRef:
+    f.need(isinstance(t, dict), f"{f.what}: a TGB must be an object")
+    f.need(segment_key_ok(t.get("segment")), f"{f.what}: bad segment key {t.get('segment')!r:.300}")
+    ranks = t.get("ranks")
+    f.need(isinstance(ranks, list) and len(ranks) > 0, f"{f.what}: a TGB needs its rank slices")
+    out = []
+    for rs in ranks:
+        f.need(
+            isinstance(rs, list) and len(rs) == 4 and all(type(x) is int and x >= 0 for x in rs),
+            f"{f.what}: bad rank slice {rs!r:.100}",
+        )
+        out.append((rs[0], rs[1], rs[2], rs[3]))
+    return TgbRef(t["segment"], tuple(out), t.get("cursor"))
+
+
+def decode_record(data: bytes) -> Record:
+    """The typed record stored in `data`. Raises RecordError for anything else."""
+    try:
+        r = orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise RecordError(f"JSONDecodeError: {e}") from None
+    if not isinstance(r, dict) or not isinstance(r.get("kind"), str):
+        raise RecordError("not a record: a JSON object with a string 'kind' is required")
+    kind = r["kind"]
+    f = _Fields(r, kind)
+    if kind == "create":
+        f.need(isinstance(r.get("config"), dict), "create: config must be an object")
+        try:
+            return CreateRecord(Config.from_dict(r["config"]), f.ts())
+        except (ValueError, TypeError) as e:
+            raise RecordError(f"{type(e).__name__}: {e}") from None
+    if kind == "register":
+        pid = r.get("producer")
+        f.need(isinstance(pid, str) and bool(PRODUCER_ID.match(pid)), f"register: bad producer id {pid!r}")
+        f.what = f"register {pid}"
+        epoch = f.int("epoch", 1, why=f"register {pid}: epoch {r.get('epoch')!r} is not a positive integer")
+        return RegisterRecord(str(pid), epoch, f.str("token"), f.ts())
+    if kind == "commit":
+        pid = r.get("producer")
+        f.need(isinstance(pid, str), f"commit: producer {pid!r} is not registered")
+        f.what = f"commit {pid}"
+        epoch, seq = f.int("epoch"), f.int("seq")
+        lost = f.int("lost", why=f"commit {pid}: lost must be a count, not {r.get('lost')!r}") if "lost" in r else 0
+        tgbs: Any = r.get("tgbs")
+        f.need(isinstance(tgbs, list) and len(tgbs) > 0, f"commit {pid}: tgbs must be a non-empty list")
+        return CommitRecord(str(pid), epoch, seq, tuple(_tgb(f, t) for t in tgbs), lost, f.ts())
+    if kind == "checkpoint":
+        cid = r.get("id")
+        f.need(isinstance(cid, str) and 0 < len(cid) <= MAX_CHECKPOINT_ID, f"checkpoint: bad id {cid!r}")
+        return CheckpointRecord(str(cid), f.int("step", why=f"checkpoint {cid}: bad step {r.get('step')!r}"), f.ts())
+    if kind == "release":
+        cid = r.get("id")
+        f.need(isinstance(cid, str), f"release: no checkpoint {cid!r}")
+        return ReleaseRecord(str(cid), f.ts())
+    if kind == "reclaim":
+        return ReclaimRecord(f.int("below", why=f"reclaim: bad step {r.get('below')!r}"), f.ts())
+    if kind == "rewind":
+        return RewindRecord(f.int("to_step", -1, why=f"rewind: bad step {r.get('to_step')!r}"), f.ts())
+    raise RecordError(f"unknown record kind {kind!r}")
