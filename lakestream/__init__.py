@@ -34,9 +34,9 @@ from ._errors import (
     StoreUnavailable,
     StreamNotFound,
 )
-from ._lifecycle import GcReport
+from ._gc import GcReport
+from ._gc import gc as _gc
 from ._lifecycle import checkpoint as _checkpoint
-from ._lifecycle import gc as _gc
 from ._lifecycle import release as _release
 from ._lifecycle import rewind as _rewind
 from ._manifest import Manifest, create_stream
@@ -189,6 +189,7 @@ async def rewind(target: Target, *, to_checkpoint: str | None = None, to_step: i
 
 async def gc(target: Target, **options: Any) -> GcReport:
     """Reclaim steps below the watermark, then delete unreferenced segments, old log versions and
-    snapshots. Options: dry_run, orphan_grace (seconds, default 3600), lease, progress."""
+    snapshots. Options: dry_run, orphan_grace (seconds, default 3600; at least 300 unless force_grace),
+    lease, progress (a callable (what, done, total) called as deletions go)."""
     async with _store_for(target) as store:
         return await _gc(store, **options)

@@ -483,8 +483,19 @@ async def _rewind(a: argparse.Namespace) -> int:
     return 0
 
 
+def _progress_bar(what: str, done: int, total: int) -> None:
+    """GC's deletions as a bar on stderr (a terminal only)."""
+    if total and sys.stderr.isatty():
+        fill = 30 * done // total
+        end = "\n" if done == total else ""
+        sys.stderr.write(f"\r{what:<18} [{'#' * fill}{'.' * (30 - fill)}] {done}/{total}{end}")
+        sys.stderr.flush()
+
+
 async def _gc(a: argparse.Namespace) -> int:
-    report = await lakestream.gc(a.url, dry_run=a.dry_run, orphan_grace=a.orphan_grace, force_grace=a.force_grace)
+    report = await lakestream.gc(
+        a.url, dry_run=a.dry_run, orphan_grace=a.orphan_grace, force_grace=a.force_grace, progress=_progress_bar
+    )
     if a.json:
         _print_json(_as_dict(report))
     else:

@@ -401,12 +401,12 @@ class Producer:
 
     async def _collect_garbage(self, interval: float) -> None:
         """GC in the background, every `interval` seconds; failures are logged, not fatal."""
-        from ._lifecycle import gc
+        from ._gc import gc
 
         while True:
             await anyio.sleep(interval)
             try:
-                report = await gc(self.store, progress=False)
+                report = await gc(self.store)
                 log.info("%s", report.summary())
             except Exception as e:
                 log.warning("%s: background gc failed: %s", self.manifest.url, e)

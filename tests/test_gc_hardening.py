@@ -12,7 +12,7 @@ from cliutil import describe, run_cli
 
 import lakestream
 from lakestream import StoreFull
-from lakestream._lifecycle import MIN_ORPHAN_GRACE
+from lakestream._gc import MIN_ORPHAN_GRACE
 
 
 async def test_a_grace_below_the_floor_is_refused_unless_forced(tmp_path: Path) -> None:
