@@ -122,7 +122,6 @@ class Manifest:
         *,
         lease: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
-        wall: Callable[[], float] = time.time,
         retries: int | None = 8,
         rng: random.Random | None = None,
     ) -> None:
@@ -133,7 +132,6 @@ class Manifest:
         self.state = State()
         self.lease = lease
         self.clock = clock
-        self.wall = wall
         self.confirmed_at = -math.inf  # clock() when the tail was last confirmed
         self.requests = 0  # store requests made for the log (for cost accounting)
         self._probe_latency = 0.0  # the read round that found the tail, last time

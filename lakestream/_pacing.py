@@ -74,7 +74,7 @@ class Observation:
     ready: int  # TGBs ready, in order
     oldest_age: float  # seconds since the oldest ready TGB became ready
     active_producers: int  # producers with a commit in the activity window, this one included
-    closing: bool = False  # the producer is flushing: commit now
+    flushing: bool = False  # someone waits in `Producer.flush`/`close` for these TGBs: commit now
     lost: int = 0  # races lost by the latest commits of the active producers (from their records)
     commits: int = 0  # how many such commits were seen
 
@@ -90,8 +90,7 @@ class AttemptOutcome:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    delay: float  # seconds to wait before putting
-    group: int  # how many of the TGBs ready now to commit (>= 1, <= ready); more may join during the wait
+    delay: float  # seconds to wait before putting (TGBs that become ready meanwhile join the commit)
     fresh: bool  # read the log to its tail right before putting
 
 
@@ -103,7 +102,7 @@ class CommitPolicy:
     activity_window = 2.0
 
     def decide(self, obs: Observation) -> Decision:
-        return Decision(0.0, max(1, min(obs.ready, self.group_cap)), False)
+        return Decision(0.0, False)
 
     def observe(self, outcome: AttemptOutcome) -> None:
         pass
@@ -147,8 +146,8 @@ class IntervalPolicy(CommitPolicy):
     name = "interval"
 
     def decide(self, obs: Observation) -> Decision:
-        delay = 0.0 if obs.closing else max(0.0, self.interval - obs.oldest_age)
-        return Decision(delay, max(1, obs.ready), False)
+        delay = 0.0 if obs.flushing else max(0.0, self.interval - obs.oldest_age)
+        return Decision(delay, False)
 
 
 @dataclass
@@ -212,11 +211,10 @@ class DacPolicy(CommitPolicy):
 
     def decide(self, obs: Observation) -> Decision:
         self._active = obs.active_producers
-        group = max(1, min(obs.ready, self.max_group))
         alone = obs.active_producers <= 1
         self.listen(obs.lost, obs.commits)
-        if obs.closing or (alone and self.multiplier <= 1.0):
-            return Decision(0.0, group, not alone)
+        if obs.flushing or (alone and self.multiplier <= 1.0):
+            return Decision(0.0, not alone)
         # Jitter both the paced interval and the ceiling: producers held at the ceiling would
         # otherwise keep the phase they have, and two that collided once would collide forever.
         u = self.rng.random()
@@ -230,7 +228,7 @@ class DacPolicy(CommitPolicy):
         # the fair share: throughput stays up and latency grows with N.
         ceiling = max(self.max_commit_delay, self.multiplier * fair) * (0.75 + 0.25 * u) - obs.oldest_age - self.latency
         self.activity_window = max(2.0, 2 * self.max_commit_delay, 3 * self.multiplier * fair)
-        return Decision(max(0.0, min(t, ceiling)), group, not alone)
+        return Decision(max(0.0, min(t, ceiling)), not alone)
 
     def conflict_delay(self, conflicts: int) -> float:
         """After a lost race the losers all learn the tail at once: spread their retries over a

@@ -141,7 +141,7 @@ class Reader:
         Raises StepUnavailable if it was reclaimed or discarded, TimeoutError after `timeout`;
         `check` runs after every read of the log and may raise.
         """
-        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        deadline = math.inf if timeout is None else self.manifest.clock() + timeout
         interval = self.poll_min
         while True:
             entry = self._entry(step)
@@ -153,7 +153,7 @@ class Reader:
             if applied:
                 interval = self.poll_min
                 continue
-            left = deadline - time.monotonic()
+            left = deadline - self.manifest.clock()
             if left <= 0:
                 raise TimeoutError(f"{self.url}: step {step} not committed within {timeout} s")
             await anyio.sleep(min(interval, left))

@@ -6,7 +6,16 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
-PURE = ["_state.py", "_records.py", "_decisions.py", "_config.py", "_segment.py", "_batching.py", "_pacing.py", "_errors.py"]
+PURE = [
+    "_state.py",
+    "_records.py",
+    "_decisions.py",
+    "_config.py",
+    "_segment.py",
+    "_batching.py",
+    "_pacing.py",
+    "_errors.py",
+]
 ALLOWED = {
     "aiobotocore": {"lakestream/_store/_s3.py"},
     "botocore": {"lakestream/_store/_s3.py"},

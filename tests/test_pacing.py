@@ -29,7 +29,7 @@ observations = st.builds(
     ready=st.integers(1, 5000),
     oldest_age=st.floats(0, 100),
     active_producers=st.integers(1, 1000),
-    closing=st.booleans(),
+    flushing=st.booleans(),
     lost=st.integers(0, 5000),
     commits=st.integers(0, 1000),
 )
@@ -44,14 +44,14 @@ def test_dac_decisions_are_bounded(history: list[AttemptOutcome | Observation], 
     for x in history:
         p.observe(x) if isinstance(x, AttemptOutcome) else p.decide(x)
     d = p.decide(obs)
-    assert 1 <= d.group <= min(obs.ready, p.max_group)
+    assert 1 <= p.group_cap <= p.max_group
     assert p.min_multiplier <= p.multiplier <= p.max_multiplier and p.latency >= 0
     # the ceiling: max_commit_delay, stretched to the paced interval when the slot cannot carry
     # it; N is the larger of what is seen and its slowly decaying recent peak
     n = max(obs.active_producers, round(p._peak))
     ceiling = max(p.max_commit_delay, p.multiplier * n * p.latency)
     assert 0 <= d.delay <= ceiling
-    if obs.closing:
+    if obs.flushing:
         assert d.delay == 0
     if obs.oldest_age >= ceiling:
         assert d.delay == 0  # an old TGB is committed now
@@ -59,10 +59,11 @@ def test_dac_decisions_are_bounded(history: list[AttemptOutcome | Observation], 
 
 
 @given(observations, st.integers(0, 2**32))
-def test_every_policy_groups_at_most_what_is_ready(obs: Observation, seed: int) -> None:
+def test_every_policy_waits_a_bounded_time_and_commits_at_least_one_tgb(obs: Observation, seed: int) -> None:
     for name in ("dac", "eager", "backoff", "interval"):
-        d = make_policy(name, random.Random(seed)).decide(obs)
-        assert 1 <= d.group <= obs.ready and d.delay >= 0
+        policy = make_policy(name, random.Random(seed))
+        d = policy.decide(obs)
+        assert policy.group_cap >= 1 and d.delay >= 0
 
 
 def test_dac_alone_commits_at_once_and_in_company_paces() -> None:
@@ -132,14 +133,14 @@ def test_dac_ceiling_stretches_only_when_the_slot_cannot_carry_it() -> None:
 
 
 def test_baselines() -> None:
-    assert EagerPolicy().decide(Observation(9, 5.0, 50)).group == 1
+    assert EagerPolicy().decide(Observation(9, 5.0, 50)).delay == 0 and EagerPolicy().group_cap == 1
     b = BackoffPolicy(rng=random.Random(1))
     waits = [b.conflict_delay(n) for n in range(1, 12)]
     assert 0.09 <= waits[0] <= 0.11 and 0.18 <= waits[1] <= 0.22
     assert all(w <= 66 for w in waits) and waits[-1] >= 54
     i = IntervalPolicy(interval=0.5)
     assert i.decide(Observation(4, 0.2, 3)).delay == pytest.approx(0.3)
-    assert i.decide(Observation(4, 0.2, 3, closing=True)).delay == 0
+    assert i.decide(Observation(4, 0.2, 3, flushing=True)).delay == 0
     with pytest.raises(ValueError, match="unknown commit policy 'fast'"):
         make_policy("fast")
     with pytest.raises(ValueError, match="target_conflicts"):
