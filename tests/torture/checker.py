@@ -114,18 +114,21 @@ def cursors_at(run: Run, step: int) -> dict[str, Any]:
     return {pid: e.cursor for pid, e in last.items()}
 
 
-def check_rewind_resumes_at_checkpoint(run: Run, st: Any, step: int) -> list[str]:
-    """Right after a rewind to the checkpoint at `step`: the head is `step`, and every producer's
-    committed cursor is its cursor as of `step`."""
+def check_rewind_resumes_at_checkpoint(run: Run, step: int) -> list[str]:
+    """Right after a rewind to the checkpoint at `step` (the state the follower saw when it applied
+    the rewind record, before any restarted producer committed again): the head is `step`, and
+    every producer's committed cursor is its cursor as of `step`."""
+    if run.at_rewind is None:
+        return ["the follower never saw the rewind record"]
+    head, committed = run.at_rewind
     fails = []
-    if st.head != step:
-        fails.append(f"after the rewind the head is {st.head}, not the checkpoint's step {step}")
+    if head != step:
+        fails.append(f"after the rewind the head is {head}, not the checkpoint's step {step}")
     cursors = cursors_at(run, step)
     for p in run.producers:
-        ps = st.producers.get(p.pid)
         want = cursors.get(p.pid)
-        if ps is not None and ps.cursor != want:
-            fails.append(f"after the rewind {p.pid}'s cursor is {ps.cursor}, expected {want}")
+        if p.pid in committed and committed[p.pid] != want:
+            fails.append(f"after the rewind {p.pid}'s cursor is {committed[p.pid]}, expected {want}")
     return fails
 
 

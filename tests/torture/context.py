@@ -148,6 +148,9 @@ class Run:
         self.reclaimed_at: dict[int, float] = {}
         self.first_step = 0
         self.rewinds_seen = 0
+        # (head, {producer: cursor}) right after the latest rewind record was applied: producers
+        # restarted at once may commit before the driver's own refresh after the rewind command
+        self.at_rewind: tuple[int, dict[str, Any]] | None = None
         self.latencies: list[float] = []  # commit record ts - segment upload time
         self.late_commits: list[tuple[int, int, str, float]] = []  # committed later than the orphan grace
         # what the readers journaled: (step, version, rank) -> (digest, samples, producer), as first read
@@ -265,6 +268,7 @@ class Run:
             self.first_step = st.first_step
         if st.rewinds != self.rewinds_seen:
             self.rewinds_seen = st.rewinds
+            self.at_rewind = (st.head, {pid: p.cursor for pid, p in st.producers.items()})
             for s in sorted(self.history):
                 if s < st.first_step:
                     continue

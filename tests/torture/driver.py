@@ -106,7 +106,7 @@ class Driver:
                 f"one `lakestream rewind` call applied {applied} rewind records (an ambiguous put of the rewind "
                 "record is not recognised on retry: the rewind is applied again)"
             )
-        run.failures.extend(checker.check_rewind_resumes_at_checkpoint(run, st, ck.step))
+        run.failures.extend(checker.check_rewind_resumes_at_checkpoint(run, ck.step))
         # each producer resumes from its cursor as of the checkpoint's step
         cursors = checker.cursors_at(run, ck.step)
         for p in run.producers:
