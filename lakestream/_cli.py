@@ -27,8 +27,9 @@ import lakestream
 
 from ._errors import LakestreamError
 from ._pacing import DacPolicy
-from ._sources import describe_cursor, dir_source, synthetic_source
+from ._sources import dir_source, synthetic_source
 from ._tasks import task_group
+from .sources import describe, open_source, parse_shard
 
 __all__ = ["main"]
 
@@ -92,6 +93,13 @@ def _nonneg(text: str) -> int:
     return value
 
 
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        return parse_shard(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--shard {text!r}: ")) from None
+
+
 def _version() -> str:
     try:
         return importlib.metadata.version("lakestream")
@@ -130,7 +138,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="back-pressure: steps producers may commit past the watermark (0: no limit)")  # fmt: skip
     p.add_argument("--max-sample-bytes", type=int, default=1 << 30, help="largest sample accepted, in bytes")
 
-    p = sub.add_parser("produce", help="produce samples from a directory or a synthetic source", description=(
+    p = sub.add_parser("produce", help="produce samples from a source (WebDataset, Parquet, a directory) or synthetic ones", description=(
         "Put samples into the stream as one producer, committing transactional global batches. It resumes "
         "after the last sample that producer id committed, so after a crash or Ctrl-C run the same command "
         "again.\n\n"
@@ -140,6 +148,11 @@ def _parser() -> argparse.ArgumentParser:
         "DIR (see --follow-symlinks). The cursor names the last file consumed: if files were added or removed at "
         "or before it, the run refuses (ConfigMismatch) instead of duplicating or losing samples; files added "
         "after it are produced.\n\n"
+        "--source wds:PATTERN and parquet:PATH read local WebDataset tar shards (members '<key>.<field>' grouped "
+        "into samples, bytes as stored) or Parquet files (one row a sample, columns as fields). --shard I/N takes "
+        "files I, I+N, ... of the sorted list. The cursor pins the file and the sample in it, with a fingerprint "
+        "of this producer's files: if a file was added, removed or rewritten since, the run refuses "
+        "(ConfigMismatch).\n\n"
         "The last global batch: when the source ends, its remaining samples are committed as a short last step "
         "(fewer than the global batch; some ranks may get fewer samples, or none, at that step). --drop-last holds "
         "them back instead: they stay uncommitted, and the next run of the same producer id starts with them."
@@ -150,6 +163,14 @@ def _parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-dir", metavar="DIR", help="a directory of <key>.<field> files")
     src.add_argument("--synthetic", type=int, metavar="N", help="N synthetic samples")
+    src.add_argument("--source", metavar="SPEC",
+                     help="wds:PATTERN (local WebDataset tar shards, a glob or a brace pattern such as "
+                          "'train-{000..127}.tar'), parquet:PATH (a file or a directory of .parquet files, one row "
+                          "a sample) or dir:PATH (the same as --from-dir PATH)")  # fmt: skip
+    p.add_argument("--shard", type=_shard, default="0/1", metavar="I/N",
+                   help="--source wds:/parquet:: read files I, I+N, I+2N, ... of the sorted list (producer I of N)")  # fmt: skip
+    p.add_argument("--key-column", metavar="COL", default=None,
+                   help="--source parquet:: the column holding the sample key (default: <file stem>-<row index>)")  # fmt: skip
     p.add_argument("--decode", action="store_true",
                    help="--from-dir: store .json as JSON values, .txt as text, .npy as arrays, .cls as integers "
                         "(WebDataset-style) instead of the files' bytes")  # fmt: skip
@@ -302,7 +323,7 @@ async def _produce(a: argparse.Namespace) -> int:
         await _run_producer(a, producers)
         tg.cancel_scope.cancel()
     if interrupted:
-        cursor = describe_cursor(producers[0].cursor) if producers else "0"
+        cursor = describe(producers[0].cursor) if producers else "0"
         print(f"lakestream produce: interrupted; committed through cursor {cursor}; run the same command to resume",
               file=sys.stderr)  # fmt: skip
         return 130
@@ -316,6 +337,13 @@ async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Produc
         if policy != "dac":
             raise ValueError("--max-commit-delay applies to --commit-policy dac")
         policy = DacPolicy(max_commit_delay=a.max_commit_delay)
+    if a.source is not None and a.source.startswith("dir:"):
+        if a.shard != (0, 1) or a.key_column is not None:
+            raise ValueError("--shard and --key-column apply to --source wds: and parquet:")
+        a.from_dir, a.source = a.source.removeprefix("dir:"), None
+    if a.source is None and (a.shard != (0, 1) or a.key_column is not None):
+        raise ValueError("--shard and --key-column apply to --source wds: and parquet:")
+    source = None if a.source is None else open_source(a.source, shard=a.shard, key_column=a.key_column)
     if a.from_dir is None and (a.decode or a.follow_symlinks):
         raise ValueError("--decode and --follow-symlinks apply to --from-dir")
     store = lakestream.open_store(a.url)
@@ -325,8 +353,10 @@ async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Produc
         ) as p:
             producers.append(p)
             start = p.cursor
-            if a.from_dir is not None:
-                it: Iterator[Any] = dir_source(a.from_dir, start, decode=a.decode, follow_symlinks=a.follow_symlinks)
+            if source is not None:
+                it: Iterator[Any] = source.iterate(start)
+            elif a.from_dir is not None:
+                it = dir_source(a.from_dir, start, decode=a.decode, follow_symlinks=a.follow_symlinks)
             else:
                 if not isinstance(start, int | None):
                     raise ValueError(f"producer {a.producer_id!r} resumes at {start!r}, not a --synthetic position")
@@ -349,7 +379,7 @@ async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Produc
         }  # fmt: skip
         print(orjson.dumps(figures).decode())
     print(
-        f"producer {a.producer_id} epoch {p.epoch}: resumed at {describe_cursor(start)}, {s.samples} samples, "
+        f"producer {a.producer_id} epoch {p.epoch}: resumed at {describe(start)}, {s.samples} samples, "
         f"{s.tgbs_committed} TGBs in {s.commits} commits, {s.bytes_uploaded / 1e6:.1f} MB in {dt:.2f} s"
     )
     if held:

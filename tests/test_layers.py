@@ -20,6 +20,7 @@ ALLOWED = {
     "aiobotocore": {"lakestream/_store/_s3.py"},
     "botocore": {"lakestream/_store/_s3.py"},
     "torch": {"lakestream/torch.py"},
+    "pyarrow": {"lakestream/sources.py"},
     "pyfuse3": {"mount/lakestream_mount/_fs.py", "mount/lakestream_mount/__init__.py"},
 }
 IO_MODULES = {"anyio", "asyncio", "os", "socket", "subprocess", "pathlib", "time", "aiobotocore", "lakestream._store"}
