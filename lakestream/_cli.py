@@ -29,7 +29,7 @@ from ._errors import LakestreamError
 from ._pacing import DacPolicy
 from ._sources import dir_source, synthetic_source
 from ._tasks import task_group
-from .sources import describe, open_source, parse_shard
+from .sources import SHUFFLE_WINDOW, describe, open_source, parse_shard
 
 __all__ = ["main"]
 
@@ -171,6 +171,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="--source wds:/parquet:: read files I, I+N, I+2N, ... of the sorted list (producer I of N)")  # fmt: skip
     p.add_argument("--key-column", metavar="COL", default=None,
                    help="--source parquet:: the column holding the sample key (default: <file stem>-<row index>)")  # fmt: skip
+    p.add_argument("--epochs", type=int, default=1, metavar="E",
+                   help="--source wds:/parquet:: read this producer's files E times; keys of epoch e > 0 get the "
+                        "suffix '-e<e>' when E > 1 (default: 1)")  # fmt: skip
+    p.add_argument("--shuffle-seed", type=int, default=None, metavar="S",
+                   help="--source wds:/parquet:: shuffle the file order of each epoch and the samples within "
+                        f"windows of {SHUFFLE_WINDOW} samples, deterministically from S and the epoch, so a rerun "
+                        "replays the same sequence (default: no shuffling, files in sorted order)")  # fmt: skip
     p.add_argument("--decode", action="store_true",
                    help="--from-dir: store .json as JSON values, .txt as text, .npy as arrays, .cls as integers "
                         "(WebDataset-style) instead of the files' bytes")  # fmt: skip
@@ -337,13 +344,16 @@ async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Produc
         if policy != "dac":
             raise ValueError("--max-commit-delay applies to --commit-policy dac")
         policy = DacPolicy(max_commit_delay=a.max_commit_delay)
+    if (a.source is None or a.source.startswith("dir:")) and (a.epochs != 1 or a.shuffle_seed is not None):
+        raise ValueError("--epochs and --shuffle-seed apply to --source wds: and parquet:")
     if a.source is not None and a.source.startswith("dir:"):
         if a.shard != (0, 1) or a.key_column is not None:
             raise ValueError("--shard and --key-column apply to --source wds: and parquet:")
         a.from_dir, a.source = a.source.removeprefix("dir:"), None
     if a.source is None and (a.shard != (0, 1) or a.key_column is not None):
         raise ValueError("--shard and --key-column apply to --source wds: and parquet:")
-    source = None if a.source is None else open_source(a.source, shard=a.shard, key_column=a.key_column)
+    order = {"epochs": a.epochs, "shuffle_seed": a.shuffle_seed}
+    source = None if a.source is None else open_source(a.source, shard=a.shard, key_column=a.key_column, **order)
     if a.from_dir is None and (a.decode or a.follow_symlinks):
         raise ValueError("--decode and --follow-symlinks apply to --from-dir")
     store = lakestream.open_store(a.url)

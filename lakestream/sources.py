@@ -15,6 +15,18 @@ file of the share) were consumed, the share had F files, and H is the SHA-256 ov
 names, sizes and modification times. Resuming with a cursor whose fingerprint does not match the
 share as it is now raises ConfigMismatch naming the change (files added or removed, a file
 rewritten), never duplicating or skipping samples silently.
+
+Epochs and shuffling (`epochs=E`, `shuffle_seed=S`, sharded sources only): the share is read E
+times. Epoch e (0-based) visits the share's files in the order `random.Random(f"{S}:{e}")`
+shuffles them to (sorted order when S is None), and, with a seed, the samples of each file are
+shuffled within consecutive windows of `SHUFFLE_WINDOW` samples (window w of file NAME by
+`random.Random(f"{S}:{e}:{NAME}:{w}")`): a tar shard is streamed, so only one window is ever held in
+memory, and the shuffle is a window shuffle, not a shuffle of the whole file. With E > 1 the keys of
+epoch e > 0 get the suffix `-e<e>` (`k` becomes `k-e1`), so keys stay unique in the stream. The
+cursor then also holds `"epoch": e` (absent: 0) and, with a seed, `"seed": S`; its `index` is the
+position in epoch e's file order and `sample` the samples consumed in that file (in shuffled
+order). Resuming replays the window the cursor falls in, so a resumed producer emits exactly the
+sequence an uninterrupted one would; a cursor committed with another seed is refused.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ import glob
 import hashlib
 import math
 import os
+import random
 import re
 import tarfile
 from collections.abc import Iterator
@@ -34,6 +47,7 @@ from ._errors import ConfigMismatch, InvalidSample
 from ._sources import describe_cursor, dir_source
 
 __all__ = [
+    "SHUFFLE_WINDOW",
     "DirSource",
     "ParquetSource",
     "Source",
@@ -59,12 +73,24 @@ def parse_shard(text: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def open_source(spec: str, *, shard: tuple[int, int] = (0, 1), key_column: str | None = None) -> Source:
+SHUFFLE_WINDOW = 256
+"""Samples shuffled together within a file when a shuffle seed is given (see the module docs)."""
+
+
+def open_source(
+    spec: str,
+    *,
+    shard: tuple[int, int] = (0, 1),
+    key_column: str | None = None,
+    epochs: int = 1,
+    shuffle_seed: int | None = None,
+) -> Source:
     """The source `spec` names: `wds:PATTERN`, `parquet:PATH` or `dir:PATH`.
 
     `shard=(i, n)`: this producer's share of a sharded source's files. `key_column`: the Parquet
-    column holding the sample key. Raises ValueError for an unknown kind or an option that does not
-    apply, FileNotFoundError when no file matches.
+    column holding the sample key. `epochs`, `shuffle_seed`: read the share `epochs` times, each
+    epoch in its own deterministic shuffled order (see the module docs). Raises ValueError for an
+    unknown kind or an option that does not apply, FileNotFoundError when no file matches.
     """
     kind, colon, where = spec.partition(":")
     if not colon or not where:
@@ -74,21 +100,30 @@ def open_source(spec: str, *, shard: tuple[int, int] = (0, 1), key_column: str |
         raise ValueError(f"shard {i}/{n}: expected 0 <= I < N")
     if key_column is not None and kind != "parquet":
         raise ValueError("--key-column applies to parquet: sources")
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs {epochs!r}: expected an integer >= 1")
     if kind == "dir":
         if shard != (0, 1):
             raise ValueError("--shard applies to wds: and parquet: sources")
+        if epochs != 1 or shuffle_seed is not None:
+            raise ValueError("--epochs and --shuffle-seed apply to wds: and parquet: sources")
         return DirSource(where)
+    src: _Sharded
     if kind == "wds":
-        return WdsSource(where, shard)
-    if kind == "parquet":
-        return ParquetSource(where, shard, key_column)
-    raise ValueError(f"--source {spec!r}: unknown kind {kind!r} (wds, parquet or dir)")
+        src = WdsSource(where, shard)
+    elif kind == "parquet":
+        src = ParquetSource(where, shard, key_column)
+    else:
+        raise ValueError(f"--source {spec!r}: unknown kind {kind!r} (wds, parquet or dir)")
+    src.epochs, src.seed = epochs, shuffle_seed
+    return src
 
 
 def describe(cursor: Any) -> str:
     """A cursor for people: the file and sample of a sharded source's cursor, else as `describe_cursor`."""
     if isinstance(cursor, dict) and "shard" in cursor and "sample" in cursor:
-        return f"{cursor['sample']} samples into {cursor['shard']!r} (file {cursor.get('index', 0) + 1} of the share)"
+        where = f"{cursor['sample']} samples into {cursor['shard']!r} (file {cursor.get('index', 0) + 1} of the share"
+        return where + (f", epoch {cursor['epoch'] + 1})" if cursor.get("epoch") else ")")
     return describe_cursor(cursor)
 
 
@@ -151,23 +186,40 @@ def _stat(path: str, name: str) -> _File:
 
 
 class _Sharded:
-    """What the sharded sources share: the share, its fingerprint, and resuming from a cursor."""
+    """What the sharded sources share: the share, its fingerprint, epochs, shuffling, and resuming."""
 
     what: str
     share: list[_File]
     fp: str
+    epochs: int = 1
+    seed: int | None = None
 
-    def _start(self, cursor: Any) -> tuple[int, int]:
-        """(file index in the share, samples to skip in it) after `cursor`; ConfigMismatch if it does not fit."""
+    def _order(self, epoch: int) -> list[int]:
+        """Epoch `epoch`'s order of the share: positions into `share`."""
+        order = list(range(len(self.share)))
+        if self.seed is not None:
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def _start(self, cursor: Any) -> tuple[int, int, int]:
+        """(epoch, position in its order, samples to skip in that file) after `cursor`; ConfigMismatch
+        if it does not fit."""
         if cursor is None:
-            return 0, 0
+            return 0, 0, 0
         keys = ("shard", "index", "sample", "fp")
         if not (isinstance(cursor, dict) and all(k in cursor for k in keys)):
             raise ConfigMismatch(f"{self.what}: the committed cursor {cursor!r} is not a cursor of this kind of source")
-        if cursor["fp"] == self.fp:
-            return int(cursor["index"]), int(cursor["sample"])
+        epoch, index, name = int(cursor.get("epoch", 0)), int(cursor["index"]), str(cursor["shard"])
+        if cursor.get("seed") != self.seed:
+            raise ConfigMismatch(
+                f"{self.what}: the committed cursor was produced with shuffle seed {cursor.get('seed')!r}, "
+                f"not {self.seed!r}; resuming with another order would duplicate or lose samples"
+            )
         names = [f.name for f in self.share]
-        index, name = int(cursor["index"]), str(cursor["shard"])
+        if cursor["fp"] == self.fp:
+            if not 0 <= index < len(names) or names[self._order(epoch)[index]] != name:
+                raise ConfigMismatch(f"{self.what}: the committed cursor {cursor!r} does not fit this share's order")
+            return epoch, index, int(cursor["sample"])
         files = cursor.get("files")
         if isinstance(files, int) and files < len(names):
             change = f"{len(names) - files} file(s) were added"
@@ -175,7 +227,7 @@ class _Sharded:
             change = f"{files - len(names)} file(s) were removed"
         elif name not in names:
             change = f"{name!r} (the file being read) is no longer in this producer's share (removed or renamed)"
-        elif names.index(name) != index:
+        elif index >= len(names) or names[self._order(epoch)[index]] != name:
             change = "files were renamed"
         else:
             change = "a file was rewritten (its size or modification time changed)"
@@ -185,25 +237,60 @@ class _Sharded:
             "restore the files, or produce the changed source under a new --producer-id"
         )
 
-    def _cursor(self, index: int, sample: int) -> dict[str, Any]:
-        return {
-            "shard": self.share[index].name,
+    def _cursor(self, epoch: int, index: int, name: str, sample: int) -> dict[str, Any]:
+        cursor: dict[str, Any] = {
+            "epoch": epoch,
+            "shard": name,
             "index": index,
             "sample": sample,
             "files": len(self.share),
             "fp": self.fp,
         }
+        if self.seed is not None:
+            cursor["seed"] = self.seed
+        return cursor
 
     def _samples(self, f: _File, skip: int) -> Iterator[dict[str, Any]]:
         raise NotImplementedError
 
+    def _shuffled(self, f: _File, epoch: int, skip: int) -> Iterator[dict[str, Any]]:
+        """The samples of `f` after the first `skip`, in epoch `epoch`'s order: as stored without a
+        seed, else shuffled within windows of SHUFFLE_WINDOW (the window `skip` falls in is read again)."""
+        if self.seed is None:
+            yield from self._samples(f, skip)
+            return
+        w = skip // SHUFFLE_WINDOW
+        drop = skip - w * SHUFFLE_WINDOW
+        window: list[dict[str, Any]] = []
+
+        def flush() -> list[dict[str, Any]]:
+            random.Random(f"{self.seed}:{epoch}:{f.name}:{w}").shuffle(window)
+            return window[drop:]
+
+        for sample in self._samples(f, w * SHUFFLE_WINDOW):
+            window.append(sample)
+            if len(window) == SHUFFLE_WINDOW:
+                yield from flush()
+                window, w, drop = [], w + 1, 0
+        if len(window) < drop:
+            raise ConfigMismatch(
+                f"{self.what}: {f.path}: the committed cursor is {skip} samples into it, "
+                f"but it holds {w * SHUFFLE_WINDOW + len(window)}"
+            )
+        yield from flush()
+
     def iterate(self, cursor: Any = None) -> Iterator[tuple[dict[str, Any], Any]]:
-        index, skip = self._start(cursor)
-        for i in range(index, len(self.share)):
-            n = skip if i == index else 0
-            for sample in self._samples(self.share[i], n):
-                n += 1
-                yield sample, self._cursor(i, n)
+        epoch, index, skip = self._start(cursor)
+        for e in range(epoch, self.epochs):
+            order = self._order(e)
+            for pos in range(index if e == epoch else 0, len(order)):
+                f = self.share[order[pos]]
+                n = skip if (e, pos) == (epoch, index) else 0
+                for sample in self._shuffled(f, e, n):
+                    n += 1
+                    if e > 0:
+                        sample["__key__"] = f"{sample['__key__']}-e{e}"
+                    yield sample, self._cursor(e, pos, f.name, n)
 
 
 # -- WebDataset tar shards --------------------------------------------------------------------------
