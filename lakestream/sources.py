@@ -123,7 +123,7 @@ def describe(cursor: Any) -> str:
     """A cursor for people: the file and sample of a sharded source's cursor, else as `describe_cursor`."""
     if isinstance(cursor, dict) and "shard" in cursor and "sample" in cursor:
         where = f"{cursor['sample']} samples into {cursor['shard']!r} (file {cursor.get('index', 0) + 1} of the share"
-        return where + (f", epoch {cursor['epoch'] + 1})" if cursor.get("epoch") else ")")
+        return where + (f", data epoch {cursor['epoch'] + 1})" if cursor.get("epoch") else ")")
     return describe_cursor(cursor)
 
 

@@ -33,6 +33,11 @@ def test_each_epoch_has_its_own_order_and_every_run_the_same(tmp_path: Path, mon
     assert sorted(first) == sorted(second) == sorted(plain)  # each epoch: every sample once
     assert first != second and first != plain  # shuffled, and differently per epoch
     assert [k[:4] for k in first] != [k[:4] for k in plain]  # the shard order is shuffled too
+    runs = [k[:4] for i, k in enumerate(first) if i == 0 or first[i - 1][:4] != k[:4]]
+    assert len(runs) == 4  # one file after another
+    for shard in runs:  # within each file the samples are shuffled, a window of 8 at a time
+        within = [k for k in first if k.startswith(shard)]
+        assert within != sorted(within) and sorted(within[:8]) == sorted(within)[:8], within
     assert keys(spec, epochs=2, shuffle_seed=8) != run
     assert len(set(run)) == 80
     # without a seed: every epoch in sorted order, keys still unique
@@ -83,16 +88,16 @@ def test_produce_two_shuffled_epochs_killed_and_rerun_commits_the_sequence_once(
     url = file_url(tmp_path / "stream")
     run_cli("init", url, "--world-size", 1, "--global-batch", 2, check=True)
     command = ["produce", url, "--producer-id", "p", "--source", spec, "--epochs", 2, "--shuffle-seed", 7]
-    proc = spawn_cli(*command, "--max-inflight-bytes", 1, "--rate", 80)
+    proc = spawn_cli(*command, "--max-inflight-bytes", 1, "--rate", 50)
     try:  # killed in the second epoch: 60 samples an epoch, 2 a step
         wait_until(lambda: status(url)["head_step"] >= 34, timeout=20, what="35 committed steps")
     finally:
         proc.kill()
         proc.communicate()
     cursor = status(url)["producers"]["p"]["cursor"]
-    assert cursor["epoch"] == 1 and cursor["seed"] == 7, cursor
+    assert cursor["epoch"] == 1 and cursor["seed"] == 7 and (cursor["index"], cursor["sample"]) != (2, 20), cursor
     r = run_cli(*command, check=True)
-    assert "resumed at" in r.stdout and "epoch 2" in r.stdout, describe(r)
+    assert "resumed at" in r.stdout and "of the share, data epoch 2)" in r.stdout, describe(r)
     # one rank: the committed steps in order are the producer's sequence, each key (with its suffix) once
     assert list(read_values(url, 1)) == keys(spec, epochs=2, shuffle_seed=7)
     assert run_cli("verify", url, check=True).returncode == 0
