@@ -29,6 +29,7 @@ from ._errors import LakestreamError
 from ._pacing import DacPolicy
 from ._sources import dir_source, synthetic_source
 from ._tasks import task_group
+from ._transform import MapStats, source_cursor, transform
 from .sources import SHUFFLE_WINDOW, describe, open_source, parse_shard
 
 __all__ = ["main"]
@@ -199,6 +200,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="DAC latency ceiling, seconds (default: the policy's own)")  # fmt: skip
     p.add_argument("--rate", type=float, default=0.0, help="samples per second (0: as fast as possible)")
     p.add_argument("--stats-json", action="store_true", help="also print the producer's figures as one JSON line")
+    p.add_argument("--map", metavar="MODULE:FUNCTION", default=None,
+                   help="apply FUNCTION (importable from sys.path or the working directory) to every sample: it "
+                        "returns a sample, None (dropped) or a list of samples (keys '<key>-<i>' unless it sets "
+                        "__key__); it must be deterministic, a resumed producer may apply it to a record again")  # fmt: skip
+    p.add_argument("--workers", type=_nonneg, default=0, metavar="K",
+                   help="--map: run the function in K worker processes, order preserved (0: in this process)")  # fmt: skip
+    p.add_argument("--on-error", choices=["fail", "skip"], default="fail",
+                   help="--map: a record whose function call raises stops the run naming its key (fail) or is "
+                        "skipped, counted and listed by --stats-json (skip)")  # fmt: skip
 
     p = sub.add_parser("read", help="write a rank's samples of committed steps to files", description=(
         "Read one rank's slices of committed steps. With --out, step S goes to DIR/<S:012d>/<key>.<field> "
@@ -339,6 +349,9 @@ async def _produce(a: argparse.Namespace) -> int:
 
 async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Producer]) -> None:
     t0 = time.perf_counter()
+    mapped = MapStats()
+    if a.map is None and (a.workers or a.on_error != "fail"):
+        raise ValueError("--workers and --on-error apply to --map")
     policy: Any = a.commit_policy
     if a.max_commit_delay is not None:
         if policy != "dac":
@@ -363,16 +376,19 @@ async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Produc
         ) as p:
             producers.append(p)
             start = p.cursor
+            at = source_cursor(start, mapped=a.map is not None)
             if source is not None:
-                it: Iterator[Any] = source.iterate(start)
+                it: Iterator[Any] = source.iterate(at)
             elif a.from_dir is not None:
-                it = dir_source(a.from_dir, start, decode=a.decode, follow_symlinks=a.follow_symlinks)
+                it = dir_source(a.from_dir, at, decode=a.decode, follow_symlinks=a.follow_symlinks)
             else:
-                if not isinstance(start, int | None):
+                if not isinstance(at, int | None):
                     raise ValueError(f"producer {a.producer_id!r} resumes at {start!r}, not a --synthetic position")
                 it = synthetic_source(
-                    a.synthetic, a.sample_size, start=start or 0, prefix=f"{a.producer_id}-", work_ms=a.work_ms
+                    a.synthetic, a.sample_size, start=at or 0, prefix=f"{a.producer_id}-", work_ms=a.work_ms
                 )
+            if a.map is not None:
+                it = transform(it, a.map, start=start, workers=a.workers, on_error=a.on_error, stats=mapped)
             held = await _feed(a, p, it, t0)
     finally:
         with anyio.CancelScope(shield=True):  # closed whole even when interrupted: no half-closed client
@@ -387,6 +403,9 @@ async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Produc
             "commit_attempts": s.commit_attempts, "bytes": s.bytes_uploaded,
             "requests": getattr(store, "requests", None), "ready_to_visible": lat, "held_back": held,
         }  # fmt: skip
+        if a.map is not None:
+            figures["map"] = {"records": mapped.records, "outputs": mapped.outputs, "dropped": mapped.dropped,
+                              "skipped": mapped.skipped}  # fmt: skip
         print(orjson.dumps(figures).decode())
     print(
         f"producer {a.producer_id} epoch {p.epoch}: resumed at {describe(start)}, {s.samples} samples, "
