@@ -41,6 +41,7 @@ from ._lifecycle import release as _release
 from ._lifecycle import rewind as _rewind
 from ._manifest import Manifest, create_stream
 from ._pacing import BackoffPolicy, CommitPolicy, DacPolicy, EagerPolicy, IntervalPolicy
+from ._pipeline import ProduceReport, produce
 from ._producer import Producer, ProducerStats
 from ._reader import RankBatch, RawSlice, Reader
 from ._segment import FieldRef
@@ -67,6 +68,7 @@ __all__ = [
     "LakestreamError",
     "ObjectNotFound",
     "ObjectStore",
+    "ProduceReport",
     "Producer",
     "ProducerFenced",
     "ProducerStats",
@@ -89,6 +91,7 @@ __all__ = [
     "open_producer",
     "open_reader",
     "open_store",
+    "produce",
     "release",
     "rewind",
     "verify",

@@ -12,9 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -27,10 +25,9 @@ import lakestream
 
 from ._errors import LakestreamError
 from ._pacing import DacPolicy
-from ._sources import dir_source, synthetic_source
+from ._pipeline import SyntheticSource, produce
 from ._tasks import task_group
-from ._transform import MapStats, source_cursor, transform
-from .sources import SHUFFLE_WINDOW, describe, open_source, parse_shard
+from .sources import SHUFFLE_WINDOW, DirSource, describe, open_source, parse_shard
 
 __all__ = ["main"]
 
@@ -317,11 +314,6 @@ async def _init(a: argparse.Namespace) -> int:
     return 0
 
 
-async def _iterate(it: Iterator[Any]) -> Any:
-    """Next item of a blocking iterator, from a worker thread; None at the end."""
-    return await anyio.to_thread.run_sync(next, it, None)
-
-
 async def _produce(a: argparse.Namespace) -> int:
     """Produce until the source ends, or until SIGINT: then stop at once, abandon what is not committed, and
     say where the producer stands (a rerun resumes there)."""
@@ -348,10 +340,6 @@ async def _produce(a: argparse.Namespace) -> int:
 
 
 async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Producer]) -> None:
-    t0 = time.perf_counter()
-    mapped = MapStats()
-    if a.map is None and (a.workers or a.on_error != "fail"):
-        raise ValueError("--workers and --on-error apply to --map")
     policy: Any = a.commit_policy
     if a.max_commit_delay is not None:
         if policy != "dac":
@@ -365,75 +353,48 @@ async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Produc
         a.from_dir, a.source = a.source.removeprefix("dir:"), None
     if a.source is None and (a.shard != (0, 1) or a.key_column is not None):
         raise ValueError("--shard and --key-column apply to --source wds: and parquet:")
-    order = {"epochs": a.epochs, "shuffle_seed": a.shuffle_seed}
-    source = None if a.source is None else open_source(a.source, shard=a.shard, key_column=a.key_column, **order)
     if a.from_dir is None and (a.decode or a.follow_symlinks):
         raise ValueError("--decode and --follow-symlinks apply to --from-dir")
+    source: Any
+    if a.source is not None:
+        order = {"epochs": a.epochs, "shuffle_seed": a.shuffle_seed}
+        source = open_source(a.source, shard=a.shard, key_column=a.key_column, **order)
+    elif a.from_dir is not None:
+        source = DirSource(a.from_dir, decode=a.decode, follow_symlinks=a.follow_symlinks)
+    else:
+        source = SyntheticSource(a.synthetic, a.sample_size, prefix=f"{a.producer_id}-", work_ms=a.work_ms)
     store = lakestream.open_store(a.url)
     try:
-        async with lakestream.open_producer(
-            store, a.producer_id, max_inflight_bytes=a.max_inflight_bytes, policy=policy
-        ) as p:
-            producers.append(p)
-            start = p.cursor
-            at = source_cursor(start, mapped=a.map is not None)
-            if source is not None:
-                it: Iterator[Any] = source.iterate(at)
-            elif a.from_dir is not None:
-                it = dir_source(a.from_dir, at, decode=a.decode, follow_symlinks=a.follow_symlinks)
-            else:
-                if not isinstance(at, int | None):
-                    raise ValueError(f"producer {a.producer_id!r} resumes at {start!r}, not a --synthetic position")
-                it = synthetic_source(
-                    a.synthetic, a.sample_size, start=at or 0, prefix=f"{a.producer_id}-", work_ms=a.work_ms
-                )
-            if a.map is not None:
-                it = transform(it, a.map, start=start, workers=a.workers, on_error=a.on_error, stats=mapped)
-            held = await _feed(a, p, it, t0)
+        r = await produce(
+            store, a.producer_id, source, map=a.map, workers=a.workers, on_error=a.on_error,
+            drop_last=a.drop_last, rate=a.rate, on_open=producers.append,
+            max_inflight_bytes=a.max_inflight_bytes, policy=policy,
+        )  # fmt: skip
     finally:
         with anyio.CancelScope(shield=True):  # closed whole even when interrupted: no half-closed client
             await store.aclose()
-    dt = time.perf_counter() - t0
-    s = p.stats
+    s = r.stats
     if a.stats_json:
-        lat = sorted(s.ready_to_visible)
         figures = {
-            "producer": a.producer_id, "epoch": p.epoch, "policy": p.policy_name, "seconds": dt,
+            "producer": a.producer_id, "epoch": r.epoch, "policy": r.policy, "seconds": r.seconds,
             "samples": s.samples, "tgbs": s.tgbs_committed, "commits": s.commits, "conflicts": s.conflicts,
             "commit_attempts": s.commit_attempts, "bytes": s.bytes_uploaded,
-            "requests": getattr(store, "requests", None), "ready_to_visible": lat, "held_back": held,
+            "requests": getattr(store, "requests", None), "ready_to_visible": sorted(s.ready_to_visible),
+            "held_back": r.held_back,
         }  # fmt: skip
-        if a.map is not None:
-            figures["map"] = {"records": mapped.records, "outputs": mapped.outputs, "dropped": mapped.dropped,
-                              "skipped": mapped.skipped}  # fmt: skip
+        if r.map is not None:
+            m = r.map
+            figures["map"] = {"records": m.records, "outputs": m.outputs, "dropped": m.dropped, "skipped": m.skipped}
         print(orjson.dumps(figures).decode())
     print(
-        f"producer {a.producer_id} epoch {p.epoch}: resumed at {describe(start)}, {s.samples} samples, "
-        f"{s.tgbs_committed} TGBs in {s.commits} commits, {s.bytes_uploaded / 1e6:.1f} MB in {dt:.2f} s"
+        f"producer {a.producer_id} epoch {r.epoch}: resumed at {describe(r.resumed_at)}, {s.samples} samples, "
+        f"{s.tgbs_committed} TGBs in {s.commits} commits, {s.bytes_uploaded / 1e6:.1f} MB in {r.seconds:.2f} s"
     )
-    if held:
+    if r.held_back:
         print(
-            f"held back {held} samples of a partial last global batch (--drop-last): a later run of producer "
+            f"held back {r.held_back} samples of a partial last global batch (--drop-last): a later run of producer "
             f"{a.producer_id} starts with them"
         )
-
-
-async def _feed(a: argparse.Namespace, p: lakestream.Producer, it: Iterator[Any], t0: float) -> int:
-    """Put every sample of `it`; with --drop-last, whole global batches only. The samples held back."""
-    batch = p.config.global_batch if a.drop_last else 1
-    held: list[tuple[Any, Any]] = []
-    n = 0
-    while (item := await _iterate(it)) is not None:
-        held.append(item)
-        if len(held) < batch:
-            continue
-        for sample, cursor in held:
-            await p.put(sample, cursor=cursor)
-            n += 1
-            if a.rate > 0 and (ahead := t0 + n / a.rate - time.perf_counter()) > 0:
-                await anyio.sleep(ahead)
-        held = []
-    return len(held)
 
 
 def _file_name(batch: lakestream.RankBatch, key: Any, field: str) -> str:

@@ -123,10 +123,10 @@ def _outputs(result: Any, record: Sample, where: str) -> list[Sample]:
 _worker_fn: MapFunction | None = None
 
 
-def _init_worker(spec: str, parent: int) -> None:
+def _init_worker(fn: str | MapFunction, parent: int) -> None:
     global _worker_fn
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    _worker_fn = load_function(spec)
+    _worker_fn = load_function(fn) if isinstance(fn, str) else fn
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -142,11 +142,11 @@ def _call_in_worker(sample: Sample) -> Any:
 
 
 def _results(
-    records: Iterator[tuple[Sample, Any]], spec: str, workers: int
+    records: Iterator[tuple[Sample, Any]], spec: str | MapFunction, workers: int
 ) -> Iterator[tuple[Sample, Any, Any, BaseException | None]]:
     """(record, cursor after it, result, exception) in source order."""
     if workers <= 0:
-        fn = load_function(spec)
+        fn = load_function(spec) if isinstance(spec, str) else spec
         for sample, cursor in records:
             try:
                 yield sample, cursor, fn(sample), None
@@ -187,14 +187,17 @@ def _settle(
 
 def transform(
     records: Iterator[tuple[Sample, Any]],
-    spec: str,
+    spec: str | MapFunction,
     *,
     start: Any = None,
     workers: int = 0,
     on_error: str = "fail",
     stats: MapStats | None = None,
 ) -> Iterator[tuple[Sample, Any]]:
-    """(sample, cursor) after mapping `records` (the source opened at `source_cursor(start, True)`)."""
+    """(sample, cursor) after mapping `records` (the source opened at `source_cursor(start, True)`).
+
+    `spec` is `MODULE:FUNCTION` or the function itself (with `workers`, one the worker processes can
+    unpickle: a module-level function, not a lambda or a closure)."""
     if on_error not in ("fail", "skip"):
         raise ValueError(f"--on-error {on_error!r}: expected fail or skip")
     st = stats if stats is not None else MapStats()

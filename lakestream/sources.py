@@ -132,9 +132,11 @@ class DirSource:
     """`dir:PATH`: the files directly in PATH, as `--from-dir` reads them (see `dir_source`)."""
 
     path: str
+    decode: bool = False
+    follow_symlinks: bool = False
 
     def iterate(self, cursor: Any = None) -> Iterator[tuple[dict[str, Any], Any]]:
-        return dir_source(self.path, cursor)
+        return dir_source(self.path, cursor, decode=self.decode, follow_symlinks=self.follow_symlinks)
 
 
 # -- file lists, shares and fingerprints ------------------------------------------------------------

@@ -154,3 +154,17 @@ def test_map_options_are_checked(tmp_path: Path, setup: dict[str, Any]) -> None:
 
 def returns_a_string(sample: dict[str, Any]) -> str:
     return "nope"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_python_pipeline_takes_the_function_itself(tmp_path: Path, setup: dict[str, Any], workers: int) -> None:
+    import mymap  # the fixture put it on sys.path; spawned workers unpickle it by name
+
+    url = f"file://{tmp_path}/stream"
+    anyio.run(lambda: lakestream.create(url, world_size=1, global_batch=4))
+    report = anyio.run(lambda: lakestream.produce(url, "p", setup["spec"], map=mymap.fn, workers=workers))
+    assert stream_keys(url) == expected_keys(3, 20)
+    assert report.map is not None and report.map.records == 60 and report.map.dropped == 30
+    assert report.stats.samples == report.map.outputs == len(expected_keys(3, 20))
+    again = anyio.run(lambda: lakestream.produce(url, "p", setup["spec"], map=mymap.fn, workers=workers))
+    assert again.stats.samples == 0 and stream_keys(url) == expected_keys(3, 20)  # resumed at the end
