@@ -169,6 +169,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="--source wds:/parquet:: read files I, I+N, I+2N, ... of the sorted list (producer I of N)")  # fmt: skip
     p.add_argument("--key-column", metavar="COL", default=None,
                    help="--source parquet:: the column holding the sample key (default: <file stem>-<row index>)")  # fmt: skip
+    p.add_argument("--split", metavar="NAME", default=None,
+                   help="--source hf:: the split of a DatasetDict saved with save_to_disk (default: its only one)")  # fmt: skip
     p.add_argument("--epochs", type=int, default=1, metavar="E",
                    help="--source wds:/parquet:: read this producer's files E times; keys of epoch e > 0 get the "
                         "suffix '-e<e>' when E > 1 (default: 1)")  # fmt: skip
@@ -206,6 +208,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--on-error", choices=["fail", "skip"], default="fail",
                    help="--map: a record whose function call raises stops the run naming its key (fail) or is "
                         "skipped, counted and listed by --stats-json (skip)")  # fmt: skip
+
+    p = sub.add_parser("fleet", help="run N producers on Ray, producer i taking share i/N of the source", description=(
+        "Run a fleet of N producer actors on a Ray cluster (--ray-address or RAY_ADDRESS; a local one is "
+        "started for the run otherwise). Actor i is producer '<name>-<i>' with --shard i/N of the source. An "
+        "actor that dies is restarted by Ray and resumes from its committed cursor. Ends when every producer "
+        "has finished its share, printing a summary; non-zero with the reason when a producer fails for good. "
+        "Needs the ray extra."
+    ))  # fmt: skip
+    p.add_argument("url", help=url_help)
+    p.add_argument("--source", metavar="SPEC", required=True, help="as for produce: wds:, parquet:, hf: or dir:")
+    p.add_argument("--producers", type=int, required=True, metavar="N", help="producer actors (shares of the source)")
+    p.add_argument("--name", default="fleet", help="producer id prefix: ids are <name>-0 ... <name>-<N-1>")
+    p.add_argument("--map", metavar="MODULE:FUNCTION", default=None, help="as for produce")
+    p.add_argument("--workers-per-producer", type=_nonneg, default=0, metavar="K",
+                   help="--map: worker processes per producer actor (0: in the actor)")  # fmt: skip
+    p.add_argument("--on-error", choices=["fail", "skip"], default="fail", help="--map: as for produce")
+    p.add_argument("--key-column", metavar="COL", default=None, help="as for produce")
+    p.add_argument("--split", metavar="NAME", default=None, help="as for produce")
+    p.add_argument("--epochs", type=int, default=1, metavar="E", help="as for produce")
+    p.add_argument("--shuffle-seed", type=int, default=None, metavar="S", help="as for produce")
+    p.add_argument("--max-restarts", type=int, default=-1, metavar="R",
+                   help="restarts allowed per actor (-1: no limit)")  # fmt: skip
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="a running Ray cluster (default: RAY_ADDRESS, else a local cluster for this run)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
     p = sub.add_parser("read", help="write a rank's samples of committed steps to files", description=(
         "Read one rank's slices of committed steps. With --out, step S goes to DIR/<S:012d>/<key>.<field> "
@@ -358,7 +385,7 @@ async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Produc
     source: Any
     if a.source is not None:
         order = {"epochs": a.epochs, "shuffle_seed": a.shuffle_seed}
-        source = open_source(a.source, shard=a.shard, key_column=a.key_column, **order)
+        source = open_source(a.source, shard=a.shard, key_column=a.key_column, split=a.split, **order)
     elif a.from_dir is not None:
         source = DirSource(a.from_dir, decode=a.decode, follow_symlinks=a.follow_symlinks)
     else:
@@ -601,6 +628,18 @@ def _mount(a: argparse.Namespace) -> int:
     return 0
 
 
+def _fleet(a: argparse.Namespace) -> int:
+    from .ray import run_fleet  # needs the ray extra
+
+    report = run_fleet(
+        a.url, a.source, a.producers, name=a.name, map=a.map, workers_per_producer=a.workers_per_producer,
+        on_error=a.on_error, key_column=a.key_column, split=a.split, epochs=a.epochs, shuffle_seed=a.shuffle_seed,
+        max_restarts=a.max_restarts, ray_address=a.ray_address,
+    )  # fmt: skip
+    print(orjson.dumps(report.to_dict()).decode() if a.json else report.summary())
+    return 0 if report.ok else 1
+
+
 def _umount(a: argparse.Namespace) -> int:
     _mount_module().unmount(a.mountpoint, force=a.force)
     return 0
@@ -610,7 +649,7 @@ COMMANDS = {
     "init": _init, "produce": _produce, "read": _read, "status": _status, "verify": _verify, "demo": _demo,
     "checkpoint": _checkpoint, "release": _release, "rewind": _rewind, "gc": _gc,
 }  # fmt: skip
-SYNC_COMMANDS = {"mount": _mount, "umount": _umount}
+SYNC_COMMANDS = {"mount": _mount, "umount": _umount, "fleet": _fleet}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,6 +61,7 @@ async def produce(
     *,
     shard: tuple[int, int] = (0, 1),
     key_column: str | None = None,
+    split: str | None = None,
     epochs: int = 1,
     shuffle_seed: int | None = None,
     map: str | MapFunction | None = None,
@@ -87,7 +88,9 @@ async def produce(
     if map is None and (workers or on_error != "fail"):
         raise ValueError("--workers and --on-error apply to --map")
     if isinstance(source, str):
-        source = open_source(source, shard=shard, key_column=key_column, epochs=epochs, shuffle_seed=shuffle_seed)
+        source = open_source(
+            source, shard=shard, key_column=key_column, split=split, epochs=epochs, shuffle_seed=shuffle_seed
+        )
     t0 = time.perf_counter()
     mapped = MapStats() if map is not None else None
     async with open_producer(target, producer_id, **options) as p:

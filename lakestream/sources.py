@@ -84,6 +84,7 @@ def open_source(
     key_column: str | None = None,
     epochs: int = 1,
     shuffle_seed: int | None = None,
+    split: str | None = None,
 ) -> Source:
     """The source `spec` names: `wds:PATTERN`, `parquet:PATH` or `dir:PATH`.
 
@@ -98,6 +99,8 @@ def open_source(
     i, n = shard
     if not 0 <= i < n:
         raise ValueError(f"shard {i}/{n}: expected 0 <= I < N")
+    if split is not None and kind != "hf":
+        raise ValueError("--split applies to hf: sources")
     if key_column is not None and kind != "parquet":
         raise ValueError("--key-column applies to parquet: sources")
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
