@@ -38,6 +38,7 @@ from ._gc import GcReport
 from ._gc import gc as _gc
 from ._lifecycle import checkpoint as _checkpoint
 from ._lifecycle import release as _release
+from ._lifecycle import reshape as _reshape
 from ._lifecycle import rewind as _rewind
 from ._manifest import Manifest, create_stream
 from ._pacing import BackoffPolicy, CommitPolicy, DacPolicy, EagerPolicy, IntervalPolicy
@@ -93,6 +94,7 @@ __all__ = [
     "open_store",
     "produce",
     "release",
+    "reshape",
     "rewind",
     "verify",
 ]
@@ -188,6 +190,28 @@ async def rewind(target: Target, *, to_checkpoint: str | None = None, to_step: i
     each producer's resume cursor becomes its cursor as of that step. Returns the new state."""
     async with _store_for(target) as store:
         return await _rewind(store, to_checkpoint=to_checkpoint, to_step=to_step)
+
+
+async def reshape(
+    target: Target, world_size: int, *, global_batch: int | None = None, from_step: int | None = None
+) -> State:
+    """Read every step from `from_step` (None: the step after the head) as `world_size` ranks.
+
+    Steps already committed for another world size are re-sliced on read: nothing is discarded,
+    every rank's samples still partition each step and counts differ by at most one. A trainer
+    restarted with the new world size resumes from its checkpoint. `global_batch` must be the
+    stream's own (changing it is not supported: ValueError). Returns the new state.
+    """
+    async with _store_for(target) as store:
+        if global_batch is not None:
+            state = await load_state(store)
+            assert state.config is not None
+            if global_batch != state.config.global_batch:
+                raise ValueError(
+                    f"{store.url}: changing the global batch ({state.config.global_batch}) is not supported; "
+                    "only the world size can change"
+                )
+        return await _reshape(store, world_size, from_step=from_step)
 
 
 async def gc(target: Target, **options: Any) -> GcReport:

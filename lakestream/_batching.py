@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["assign_ranks"]
+__all__ = ["assign_ranks", "reslice"]
 
 
 def assign_ranks(costs: Sequence[float] | None, n: int, world_size: int) -> list[list[int]]:
@@ -29,4 +29,37 @@ def assign_ranks(costs: Sequence[float] | None, n: int, world_size: int) -> list
         load[r] += costs[i]
     for lst in out:
         lst.sort()
+    return out
+
+
+def reslice(counts: Sequence[int], world_size: int) -> list[list[tuple[int, int, int]]]:
+    """What each of `world_size` ranks reads of a TGB stored as `len(counts)` rank slices.
+
+    Rank r gets a list of pieces (stored slice, first sample, end sample). With the world size the
+    TGB was sealed for, every rank reads its own slice (the cost balancing of `assign_ranks`
+    holds). Otherwise the slices are taken in rank order as one sequence of samples, cut into
+    `world_size` consecutive runs of n // world_size samples, the first n % world_size runs one
+    longer: the ranks partition the TGB, their counts differ by at most one, and each rank reads
+    only the stored slices its run overlaps. When world_size divides len(counts) and the stored
+    counts are equal, every rank reads whole slices (len(counts) // world_size of them).
+    """
+    if world_size < 1 or any(c < 0 for c in counts):
+        raise ValueError(f"reslice: world size {world_size}, counts {list(counts)[:8]}")
+    if len(counts) == world_size:
+        return [[(r, 0, c)] if c else [] for r, c in enumerate(counts)]
+    n = sum(counts)
+    base, extra = divmod(n, world_size)
+    out: list[list[tuple[int, int, int]]] = []
+    stored, first = 0, 0  # the cut: sample `first` of stored slice `stored`
+    for r in range(world_size):
+        want = base + (r < extra)
+        pieces = []
+        while want:
+            while counts[stored] == first:  # skip exhausted (or empty) slices
+                stored, first = stored + 1, 0
+            take = min(want, counts[stored] - first)
+            pieces.append((stored, first, first + take))
+            first += take
+            want -= take
+        out.append(pieces)
     return out

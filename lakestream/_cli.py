@@ -276,6 +276,19 @@ def _parser() -> argparse.ArgumentParser:
     to.add_argument("--to-checkpoint", metavar="ID", help="a retained checkpoint")
     to.add_argument("--to-step", type=_nonneg, metavar="S", help="the last step to keep")
 
+    p = sub.add_parser("reshape", help="read the steps from a step on as another number of ranks", description=(
+        "From step S (default: the step after the head) every step is read as W2 ranks. Nothing is discarded: "
+        "steps committed for another world size are re-sliced on read (each rank reads only the stored slices "
+        "that hold its samples, checksums verified), the ranks' samples partition every step and their counts "
+        "differ by at most one. Restart the trainer with W2 ranks from a checkpoint before S."
+    ))  # fmt: skip
+    p.add_argument("url", help=url_help)
+    p.add_argument("--world-size", type=int, required=True, metavar="W2", help="the new number of ranks")
+    p.add_argument("--global-batch", type=int, default=None, metavar="B2",
+                   help="must be the stream's own global batch: changing it is not supported")  # fmt: skip
+    p.add_argument("--from-step", type=_nonneg, default=None, metavar="S",
+                   help="the first step read as W2 ranks (default: the step after the head)")  # fmt: skip
+
     p = sub.add_parser("gc", help="reclaim steps below the watermark, delete what nothing needs", description=(
         "Reclaim steps below the oldest retained checkpoint, then delete unreferenced segments, old log "
         "versions and snapshots. --dry-run reports what it would do."
@@ -530,6 +543,13 @@ async def _rewind(a: argparse.Namespace) -> int:
     return 0
 
 
+async def _reshape(a: argparse.Namespace) -> int:
+    state = await lakestream.reshape(a.url, a.world_size, global_batch=a.global_batch, from_step=a.from_step)
+    start, w = state.shapes[-1]
+    print(f"{a.url}: steps from {start} on are read as {w} ranks")
+    return 0
+
+
 def _progress_bar(what: str, done: int, total: int) -> None:
     """GC's deletions as a bar on stderr (a terminal only)."""
     if total and sys.stderr.isatty():
@@ -560,8 +580,12 @@ def status_dict(state: lakestream.State) -> dict[str, Any]:
         "head_step": state.head,
         "first_step": state.first_step,
         "version": state.version,
-        "world_size": state.config.world_size,
+        "world_size": state.world_at(state.head + 1),
         "global_batch": state.config.global_batch,
+        "shapes": [
+            {"from_step": step, "world_size": w, "global_batch": state.config.global_batch}
+            for step, w in [(0, state.config.world_size), *state.shapes]
+        ],
         "config": state.config.to_dict(),
         "producers": {
             k: {"epoch": p.epoch, "seq": p.seq, "cursor": p.cursor, "last_commit": p.last_ts, "tgbs": p.tgbs}
@@ -647,7 +671,7 @@ def _umount(a: argparse.Namespace) -> int:
 
 COMMANDS = {
     "init": _init, "produce": _produce, "read": _read, "status": _status, "verify": _verify, "demo": _demo,
-    "checkpoint": _checkpoint, "release": _release, "rewind": _rewind, "gc": _gc,
+    "checkpoint": _checkpoint, "release": _release, "rewind": _rewind, "reshape": _reshape, "gc": _gc,
 }  # fmt: skip
 SYNC_COMMANDS = {"mount": _mount, "umount": _umount, "fleet": _fleet}
 

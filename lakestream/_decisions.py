@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ._config import Config
+from ._config import LIMITS, Config
 from ._errors import ConfigMismatch, ProducerFenced, StepUnavailable
 from ._records import (
     CheckpointRecord,
@@ -26,6 +26,7 @@ from ._records import (
     ReclaimRecord,
     RegisterRecord,
     ReleaseRecord,
+    ReshapeRecord,
     RewindRecord,
     TgbRef,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "reclaim",
     "register",
     "release",
+    "reshape",
     "rewind",
 ]
 
@@ -154,3 +156,25 @@ def rewind(
 def reclaim(state: State, now: float) -> ReclaimRecord | None:
     """Steps below the watermark leave the manifest; None if there are none."""
     return ReclaimRecord(state.watermark, now) if state.watermark > state.first_step else None
+
+
+def reshape(
+    state: State, world_size: int, *, from_step: int | None = None, now: float, url: str = ""
+) -> ReshapeRecord | None:
+    """Read every step from `from_step` (None: the step after the head) as `world_size` ranks.
+
+    None when that shape is already the newest one recorded from that step. Raises
+    StepUnavailable for a reclaimed step, ValueError for a world size the stream cannot have.
+    """
+    assert state.config is not None
+    start = state.head + 1 if from_step is None else from_step
+    lo, hi = LIMITS["world_size"]
+    if type(world_size) is not int or not lo <= world_size <= min(hi, state.config.global_batch):
+        raise ValueError(
+            f"{url}: world size {world_size!r} must be from {lo} to the global batch ({state.config.global_batch})"
+        )
+    if start < state.first_step:
+        raise StepUnavailable(f"{url}: cannot reshape from step {start}: steps below {state.first_step} were reclaimed")
+    if state.shapes and state.shapes[-1] == (start, world_size):
+        return None
+    return ReshapeRecord(start, world_size, now)

@@ -18,7 +18,7 @@ from ._manifest import Manifest
 from ._state import State
 from ._store import ObjectStore
 
-__all__ = ["checkpoint", "release", "rewind"]
+__all__ = ["checkpoint", "release", "reshape", "rewind"]
 
 
 async def checkpoint(
@@ -65,4 +65,22 @@ async def rewind(
             st, to_checkpoint=to_checkpoint, to_step=to_step, rewinds_before=before, now=wall(), url=store.url
         )
     )
+    return m.state
+
+
+async def reshape(
+    store: ObjectStore,
+    world_size: int,
+    *,
+    from_step: int | None = None,
+    wall: Callable[[], float] = time.time,
+) -> State:
+    """Read every step from `from_step` (None: the step after the head) as `world_size` ranks.
+
+    Nothing is discarded: steps committed for another world size are re-sliced on read. Returns
+    the new state (unchanged when that shape was already recorded from that step).
+    """
+    m = Manifest(store)
+    await m.load()
+    await m.append(lambda st, _: decisions.reshape(st, world_size, from_step=from_step, now=wall(), url=store.url))
     return m.state

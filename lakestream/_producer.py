@@ -265,8 +265,8 @@ class Producer:
 
     async def _upload(self, tgb: _Tgb) -> None:
         try:
-            w = self.config.world_size
-            ranks = assign_ranks(tgb.costs, len(tgb.samples), w)
+            state = self.manifest.state  # sealed for the world size in force after the head; readers re-slice otherwise
+            ranks = assign_ranks(tgb.costs, len(tgb.samples), state.world_at(state.head + 1))
             data, slices = await anyio.to_thread.run_sync(encode_segment, [[tgb.samples[i] for i in r] for r in ranks])
             key = segment_key(self.id, self.epoch, tgb.seq, self._wall())
             await retry(lambda: self.store.put(key, data), attempts=None)

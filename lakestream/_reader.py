@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from ._batching import reslice
 from ._errors import ConfigMismatch, CorruptData, ObjectNotFound, StepUnavailable
 from ._manifest import Manifest
 from ._retry import retry
@@ -86,6 +87,7 @@ class Reader:
         self.store = store
         self.rank = rank
         self.world_size = world_size
+        self._expect = world_size  # the world size the caller asked for (None: whatever each step has)
         self.manifest = Manifest(store, clock=clock, retries=None)  # an outage never stops a reader
         self.prefetch = max(0, prefetch)
         self.max_prefetch_bytes = max_prefetch_bytes
@@ -94,7 +96,7 @@ class Reader:
         self.raw = raw
         self.bytes_fetched = 0
         self.requests = 0
-        self._fetches: dict[tuple[int, int], _Fetch] = {}  # (step, version): a rewind reuses steps
+        self._fetches: dict[tuple[int, int, int], _Fetch] = {}  # see _key
         self._inflight_bytes = 0
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -109,9 +111,12 @@ class Reader:
     async def __aenter__(self) -> Reader:
         state = await self.manifest.load()
         assert state.config is not None
-        w = state.config.world_size
-        if self.world_size is not None and self.world_size != w:
-            raise ConfigMismatch(f"{self.url}: reader expects world size {self.world_size}, the stream has {w}")
+        worlds = {state.config.world_size} | {w for _, w in state.shapes}
+        w = state.world_at(state.head + 1) if self.world_size is None else self.world_size
+        if w not in worlds:
+            raise ConfigMismatch(
+                f"{self.url}: reader expects world size {w}, the stream has {'/'.join(map(str, sorted(worlds)))}"
+            )
         if self.rank is not None and self.rank >= w:
             raise ValueError(f"{self.url}: rank {self.rank} is out of range for world size {w}")
         self.world_size = w
@@ -174,7 +179,8 @@ class Reader:
         entry = await self.wait_for_step(step, timeout=timeout)
         fetch = self._start(entry)
         await fetch.done.wait()
-        self._fetches.pop((entry.step, entry.version), None)
+        for key in [k for k in self._fetches if k[0] <= step and self._fetches[k].done.is_set()]:
+            del self._fetches[key]  # this one, and any fetched for a shape or TGB no longer in force
         if fetch.error is not None:
             raise fetch.error
         assert fetch.result is not None
@@ -215,18 +221,25 @@ class Reader:
             if entry is None:
                 break
             assert self.rank is not None
-            size = entry.ranks[self.rank].length
-            if (n, entry.version) not in self._fetches and self._inflight_bytes + size > self.max_prefetch_bytes:
+            try:
+                size = self._nbytes(entry, self.rank)
+            except ConfigMismatch:
+                break  # reading that step raises it
+            if self._key(entry) not in self._fetches and self._inflight_bytes + size > self.max_prefetch_bytes:
                 break
             self._start(entry)
 
+    def _key(self, entry: Step) -> tuple[int, int, int]:
+        # A rewind gives a step a new TGB at a new version; a reshape gives it a new world size.
+        return entry.step, entry.version, self.state.world_at(entry.step)
+
     def _start(self, entry: Step) -> _Fetch:
-        fetch = self._fetches.get((entry.step, entry.version))
+        fetch = self._fetches.get(self._key(entry))
         if fetch is None:
             if self._tg is None:
                 raise RuntimeError("reader is closed")
             assert self.rank is not None, "a reader opened with rank=None reads with fetch_raw only"
-            fetch = self._fetches[(entry.step, entry.version)] = _Fetch(entry.ranks[self.rank].length)
+            fetch = self._fetches[self._key(entry)] = _Fetch(self._nbytes(entry, self.rank))
             self._inflight_bytes += fetch.nbytes
             self._tg.start_soon(self._fetch, entry, fetch)
         return fetch
@@ -240,16 +253,69 @@ class Reader:
             self._inflight_bytes -= fetch.nbytes
             fetch.done.set()
 
+    def plan(self, entry: Step, rank: int) -> list[tuple[int, int, int]]:
+        """Where `rank`'s samples of `entry` are: (stored slice, first sample, end sample) pieces.
+
+        The step is read as the world size in force at it (`State.world_at`); a TGB stored for
+        another world size is re-sliced (`_batching.reslice`). Raises ConfigMismatch when the step
+        is read as another world size than the reader was opened for, or has no rank `rank`.
+        """
+        w = self.state.world_at(entry.step)
+        if self._expect is not None and w != self._expect:
+            raise ConfigMismatch(
+                f"{self.url}: step {entry.step} is read as {w} ranks (reshaped), this reader is for world size "
+                f"{self._expect}: restart the trainer with the new world size"
+            )
+        if not 0 <= rank < w:
+            raise ConfigMismatch(f"{self.url}: step {entry.step} is read as {w} ranks, so it has no rank {rank}")
+        if len(entry.ranks) == w:
+            return [(rank, 0, entry.ranks[rank].samples)]
+        return reslice([r.samples for r in entry.ranks], w)[rank]
+
+    def _nbytes(self, entry: Step, rank: int) -> int:
+        return sum(entry.ranks[i].length for i, _, _ in self.plan(entry, rank))
+
     async def fetch_slice(self, entry: Step) -> RankBatch:
-        """Fetch, check and decode this rank's slice of a committed step: one range GET."""
+        """Fetch, check and decode this rank's samples of a committed step: one range GET per stored
+        slice they are in (one, unless the step was reshaped to a world size it was not sealed for)."""
         assert self.rank is not None, "a reader opened with rank=None reads with fetch_raw only"
-        data = await self._get_slice(entry, self.rank)
-        r = entry.ranks[self.rank]
-        where = self._where(entry, self.rank)
-        samples = await anyio.to_thread.run_sync(
-            lambda: decode_slice(data, r.crc32 if self.verify else None, where, raw=self.raw)
-        )
-        return RankBatch(entry.step, self.rank, samples, entry.version, entry.producer, r.length)
+        samples: list[dict[str, Any]] = []
+        nbytes = 0
+        for i, lo, hi in self.plan(entry, self.rank):
+            data = await self._get_slice(entry, i)
+            r, where = entry.ranks[i], self._where(entry, i)
+            got = await anyio.to_thread.run_sync(
+                lambda: decode_slice(data, r.crc32 if self.verify else None, where, raw=self.raw)
+            )
+            if len(got) != r.samples:  # what re-slicing counts on; the checksum covers the bytes, not the manifest
+                raise CorruptData(f"{where}: the slice holds {len(got)} samples, the manifest says {r.samples}")
+            samples += got[lo:hi] if (lo, hi) != (0, len(got)) else got
+            nbytes += r.length
+        return RankBatch(entry.step, self.rank, samples, entry.version, entry.producer, nbytes)
+
+    async def fetch_rank_raw(self, entry: Step, rank: int) -> RawSlice:
+        """`rank`'s samples of a committed step as one checked, indexed RawSlice (see `plan`): the
+        stored slice itself, or for a re-sliced step its pieces copied into one buffer."""
+        pieces = self.plan(entry, rank)
+        if len(pieces) == 1 and pieces[0] == (rank, 0, entry.ranks[rank].samples) and len(entry.ranks) > rank:
+            return await self.fetch_raw(entry, rank)
+        parts: list[bytes] = []
+        files: list[FieldRef] = []
+        size = 0
+        for i, lo, hi in pieces:
+            raw = await self.fetch_raw(entry, i)
+            groups = _samples_of(raw.files)
+            if len(groups) != entry.ranks[i].samples:
+                raise CorruptData(
+                    f"{self._where(entry, i)}: the slice holds {len(groups)} samples (by key), "
+                    f"the manifest says {entry.ranks[i].samples}"
+                )
+            keep = [f for group in groups[lo:hi] for f in group]
+            for f in keep:
+                files.append(FieldRef(f.key, f.field, f.tag, size + f.offset, f.length))
+            parts.append(raw.data)
+            size += len(raw.data)
+        return RawSlice(entry, rank, b"".join(parts), files)
 
     async def fetch_raw(self, entry: Step, rank: int) -> RawSlice:
         """Any rank's slice of a committed step, checked and indexed but not decoded."""
@@ -267,7 +333,7 @@ class Reader:
 
         return RawSlice(entry, rank, data, await anyio.to_thread.run_sync(check))
 
-    def _where(self, entry: Step, rank: int) -> str:
+    def _where(self, entry: Step, rank: int) -> str:  # `rank`: the stored slice
         return f"{self.url} step {entry.step} rank {rank} object {entry.segment}"
 
     async def _get_slice(self, entry: Step, rank: int) -> bytes:
@@ -291,3 +357,14 @@ class Reader:
         self.requests += 1
         self.bytes_fetched += len(data)
         return data
+
+
+def _samples_of(files: list[FieldRef]) -> list[list[FieldRef]]:
+    """A slice's field refs grouped by sample (a sample's fields are adjacent, under one key)."""
+    groups: list[list[FieldRef]] = []
+    for f in files:
+        if groups and groups[-1][0].key == f.key:
+            groups[-1].append(f)
+        else:
+            groups.append([f])
+    return groups

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import orjson
 
-from ._config import Config
+from ._config import LIMITS, Config
 
 __all__ = [
     "CheckpointRecord",
@@ -28,6 +28,7 @@ __all__ = [
     "RecordError",
     "RegisterRecord",
     "ReleaseRecord",
+    "ReshapeRecord",
     "RewindRecord",
     "TgbRef",
     "decode_record",
@@ -147,7 +148,27 @@ class RewindRecord:
         return {"to_step": self.to_step, "ts": self.ts}
 
 
-Record = CreateRecord | RegisterRecord | CommitRecord | CheckpointRecord | ReleaseRecord | ReclaimRecord | RewindRecord
+@dataclass(frozen=True, slots=True)
+class ReshapeRecord:
+    """From step `from_step` on, every step is read as `world_size` ranks (until a later reshape).
+
+    Steps committed with another number of rank slices are re-sliced on read (`_batching.reslice`).
+    A reshape from S replaces every shape that started at S or later.
+    """
+
+    from_step: int
+    world_size: int
+    ts: float = 0.0
+    kind: ClassVar[str] = "reshape"
+
+    def members(self) -> dict[str, Any]:
+        return {"from_step": self.from_step, "world_size": self.world_size, "ts": self.ts}
+
+
+Record = (
+    CreateRecord | RegisterRecord | CommitRecord | CheckpointRecord | ReleaseRecord | ReclaimRecord | RewindRecord
+    | ReshapeRecord
+)  # fmt: skip
 
 
 def encode_record(record: Record) -> bytes:
@@ -249,4 +270,9 @@ def decode_record(data: bytes) -> Record:
         return ReclaimRecord(f.int("below", why=f"reclaim: bad step {r.get('below')!r}"), f.ts())
     if kind == "rewind":
         return RewindRecord(f.int("to_step", -1, why=f"rewind: bad step {r.get('to_step')!r}"), f.ts())
+    if kind == "reshape":
+        lo, hi = LIMITS["world_size"]
+        world = f.int("world_size", lo, why=f"reshape: bad world size {r.get('world_size')!r:.40}")
+        f.need(world <= hi, f"reshape: world size {world} is above the limit {hi}")
+        return ReshapeRecord(f.int("from_step", why=f"reshape: bad step {r.get('from_step')!r:.40}"), world, f.ts())
     raise RecordError(f"unknown record kind {kind!r}")

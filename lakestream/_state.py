@@ -31,6 +31,7 @@ Invariants, kept by `apply` alone:
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,7 @@ from ._records import (
     RecordError,
     RegisterRecord,
     ReleaseRecord,
+    ReshapeRecord,
     RewindRecord,
     decode_record,
 )
@@ -159,6 +161,7 @@ class State:
     checkpoints: list[Checkpoint] = field(default_factory=list)  # oldest first
     rewinds: int = 0
     rejected: list[tuple[int, str]] = field(default_factory=list)
+    shapes: list[tuple[int, int]] = field(default_factory=list)  # (from step, world size), rising from step
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -171,6 +174,12 @@ class State:
     def watermark(self) -> int:
         """The oldest retained checkpoint's step; -1 with no checkpoint (nothing reclaimable)."""
         return self.checkpoints[0].step if self.checkpoints else -1
+
+    def world_at(self, step: int) -> int:
+        """The number of ranks `step` is read as: the newest reshape from `step` or before, else the config's."""
+        assert self.config is not None
+        i = bisect.bisect_right(self.shapes, (step, 1 << 62))
+        return self.shapes[i - 1][1] if i else self.config.world_size
 
     def step(self, n: int) -> Step | None:
         i = n - self.first_step
@@ -231,6 +240,10 @@ class State:
             _need(r.below <= self.watermark, f"reclaim: step {r.below} is above the watermark {self.watermark}")
         elif isinstance(r, RewindRecord):
             _need(self.first_step - 1 <= r.to_step <= self.head, f"rewind: step {r.to_step} is not retained")
+        elif isinstance(r, ReshapeRecord):
+            _need(r.from_step >= self.first_step, f"reshape: step {r.from_step} was reclaimed")
+            _need(r.world_size <= self.config.global_batch,
+                  f"reshape: world size {r.world_size} is above the global batch {self.config.global_batch}")  # fmt: skip
 
     def _validate_commit(self, r: CommitRecord, config: Config) -> None:
         pid = r.producer
@@ -239,9 +252,10 @@ class State:
         assert p is not None
         _need(r.epoch == p.epoch, f"commit {pid}: epoch {r.epoch!r} is fenced by {p.epoch}")
         _need(r.seq == p.seq + 1, f"commit {pid}: seq {r.seq!r} is not the next ({p.seq + 1})")
-        w = config.world_size
         for t in r.tgbs:
-            _need(len(t.ranks) == w, f"commit {pid}: a TGB needs {w} rank slices")
+            # A TGB holds the rank slices of the world size it was sealed for; a step read as
+            # another world size is re-sliced on read (`_batching.reslice`).
+            _need(len(t.ranks) <= LIMITS["world_size"][1], f"commit {pid}: {len(t.ranks)} rank slices")
             # Slices tile the segment from offset 0 in rank order (as the codec writes them), hold at
             # most a global batch, and have 32-bit checksums: whatever reads them may rely on it.
             end = samples = 0
@@ -295,6 +309,9 @@ class State:
                 self.producers[s.producer].base_cursor = s.cursor
             del self.steps[: r.below - self.first_step]
             self.first_step = r.below
+            # Shapes of reclaimed steps only: keep the one in force at first_step and what follows.
+            while len(self.shapes) > 1 and self.shapes[1][0] <= self.first_step:
+                del self.shapes[0]
         elif isinstance(r, RewindRecord):
             del self.steps[r.to_step + 1 - self.first_step :]
             self.checkpoints = [c for c in self.checkpoints if c.step <= r.to_step]
@@ -309,6 +326,8 @@ class State:
                 p.token = ""
                 p.cursor = newest.cursor if newest else p.base_cursor
                 # Sequence numbers keep rising so that discarded TGBs are never mistaken for new ones.
+        elif isinstance(r, ReshapeRecord):
+            self.shapes = [x for x in self.shapes if x[0] < r.from_step] + [(r.from_step, r.world_size)]
 
     def copy(self) -> State:
         """An independent copy; O(steps) pointer copies, steps themselves are immutable."""
@@ -316,7 +335,7 @@ class State:
             version=self.version, config=self.config, first_step=self.first_step, steps=list(self.steps),
             producers={k: ProducerState(**v.to_dict()) for k, v in self.producers.items()},
             checkpoints=[Checkpoint(c.id, c.step, c.version) for c in self.checkpoints],
-            rewinds=self.rewinds, rejected=list(self.rejected),
+            rewinds=self.rewinds, rejected=list(self.rejected), shapes=list(self.shapes),
         )  # fmt: skip
 
     # -- snapshots -----------------------------------------------------------------------------
@@ -340,7 +359,7 @@ class State:
             "checkpoints": [[c.id, c.step, c.version] for c in self.checkpoints],
             "rewinds": self.rewinds,
             "rejected": [list(x) for x in self.rejected],
-        }
+        } | ({"shapes": [list(x) for x in self.shapes]} if self.shapes else {})  # absent when never reshaped
 
     @classmethod
     def from_json(cls, data: bytes) -> State:
@@ -413,6 +432,8 @@ class State:
             ok = all(c.id != r.id for c in self.checkpoints)
         elif isinstance(r, ReclaimRecord):
             ok = self.first_step == r.below
+        elif isinstance(r, ReshapeRecord):
+            ok = bool(self.shapes) and self.shapes[-1] == (r.from_step, r.world_size)
         else:
             ok = self.head == r.to_step and all(p.token == "" for p in self.producers.values())
         return None if ok else f"the state does not reflect the {r.kind} record at version {v}"
@@ -434,7 +455,7 @@ def _state_from_dict(d: dict[str, Any]) -> State:
 
     O(steps x world size); messages are only formatted for the field that fails.
     """
-    if d.keys() != _STATE_KEYS:
+    if d.keys() - {"shapes"} != _STATE_KEYS:
         raise _bad(f"members {sorted(d)!r:.200} are not {sorted(_STATE_KEYS)}")
     version, first, rewinds = d["version"], d["first_step"], d["rewinds"]
     for name, v in (("version", version), ("first_step", first), ("rewinds", rewinds)):
@@ -468,7 +489,7 @@ def _state_from_dict(d: dict[str, Any]) -> State:
     if not isinstance(d["steps"], list):
         raise _bad("steps is not a list")
     last_seq: dict[str, int] = {}
-    last_version, world, batch = 1, config.world_size, config.global_batch
+    last_version, world, batch = 1, LIMITS["world_size"][1], config.global_batch
     for i, raw in enumerate(d["steps"]):
         n = first + i
         if not (isinstance(raw, list) and len(raw) == 9):
@@ -490,8 +511,8 @@ def _state_from_dict(d: dict[str, Any]) -> State:
             raise _bad(f"step {n}: seq {seq!r:.40} is not in {low + 1}..{owner.seq} of producer {pid}")
         if type(ts) is not float:
             raise _bad(f"step {n}: ts {ts!r:.40} is not a number")
-        if not (isinstance(ranks, list) and len(ranks) == world):
-            raise _bad(f"step {n}: not {world} rank slices")
+        if not (isinstance(ranks, list) and 0 < len(ranks) <= world):
+            raise _bad(f"step {n}: not 1 to {world} rank slices")
         end = samples = 0
         slices = []
         for rs in ranks:
@@ -541,4 +562,15 @@ def _state_from_dict(d: dict[str, Any]) -> State:
             raise _bad(f"rejection {raw!r:.200} is not [version, why]")
         rejected.append((raw[0], raw[1]))
 
-    return State(version, config, first, steps, producers, checkpoints, rewinds, rejected)
+    shapes: list[tuple[int, int]] = []
+    raw_shapes = d.get("shapes", [])
+    if not isinstance(raw_shapes, list):
+        raise _bad("shapes is not a list")
+    lo, hi = LIMITS["world_size"]
+    for raw in raw_shapes:
+        if not (isinstance(raw, list) and len(raw) == 2 and _int(raw[0]) and _int(raw[1], lo) and raw[1] <= batch):
+            raise _bad(f"shape {raw!r:.100} is not [from step, world size]")
+        if raw[1] > hi or (shapes and raw[0] <= shapes[-1][0]):
+            raise _bad(f"shape {raw!r:.100} out of order or out of range")
+        shapes.append((raw[0], raw[1]))
+    return State(version, config, first, steps, producers, checkpoints, rewinds, rejected, shapes)

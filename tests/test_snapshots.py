@@ -484,7 +484,7 @@ def test_an_unsealed_snapshot_is_validated_field_by_field(data: st.DataObject) -
         lambda d: d.__setitem__("version", "3"),
         lambda d: d.__setitem__("version", 2),  # older than its steps and checkpoints
         lambda d: d.__setitem__("config", None),
-        lambda d: d["config"].__setitem__("world_size", 3),
+        lambda d: d["config"].__setitem__("world_size", 0),
         lambda d: d["config"].pop("world_size"),
         lambda d: d["config"].__setitem__("bogus", 1),
         lambda d: d.__setitem__("steps", {}),
@@ -495,7 +495,7 @@ def test_an_unsealed_snapshot_is_validated_field_by_field(data: st.DataObject) -
         lambda d: d["steps"][0].__setitem__(3, "nobody"),
         lambda d: d["steps"][0].__setitem__(4, 99),
         lambda d: d["steps"][2].__setitem__(5, 1),  # a sequence number that does not rise
-        lambda d: d["steps"][0].__setitem__(6, [[0, 1, 2, 3]]),
+        lambda d: d["steps"][0].__setitem__(6, []),  # a TGB has 1 or more slices (any world size it was sealed for)
         lambda d: d["steps"][0][6].__setitem__(1, [11, 12, 9, 2]),  # slices do not tile
         lambda d: d["steps"][0][6].__setitem__(0, [0, 10, 2**32, 2]),
         lambda d: d["steps"][0][6].__setitem__(0, [0, 10, 7, "2"]),
@@ -514,6 +514,9 @@ def test_an_unsealed_snapshot_is_validated_field_by_field(data: st.DataObject) -
         lambda d: d.__setitem__("rejected", [[9, 1]]),
         lambda d: d.__setitem__("rejected", [[99, "x"]]),
         lambda d: d.__setitem__("rewinds", -1),
+        lambda d: d.__setitem__("shapes", [[5, 2], [3, 1]]),  # reshapes out of order
+        lambda d: d.__setitem__("shapes", [[5, 0]]),
+        lambda d: d.__setitem__("shapes", {"5": 2}),
         lambda d: d.__setitem__("extra", 0),
     ],
 )

@@ -246,11 +246,12 @@ class Slice:
     def of(cls, raw: lakestream.RawSlice, where: str) -> Slice:
         e, files = raw.entry, raw.files
         names = check_names(files, where)
+        keys = list(dict.fromkeys(f.key for f in files))
         meta = orjson.dumps(
             {
                 "step": e.step, "rank": raw.rank, "version": e.version, "producer": e.producer,
-                "epoch": e.epoch, "seq": e.seq, "segment": e.segment, "samples": e.ranks[raw.rank].samples,
-                "keys": list(dict.fromkeys(f.key for f in files)),
+                "epoch": e.epoch, "seq": e.seq, "segment": e.segment, "samples": len(keys),
+                "keys": keys,
                 "files": {f"{f.key}.{f.field}": f.length for f in files},
                 "types": {f"{f.key}.{f.field}": f.tag for f in files},
             },
@@ -468,7 +469,7 @@ class LakeFS(pyfuse3.Operations):
 
     async def _fetch(self, rank: int, entry: lakestream.Step) -> Slice:
         where = f"{self.reader.url} step {entry.step} rank {rank} object {entry.segment}"
-        raw = await self.reader.fetch_raw(entry, rank)
+        raw = await self.reader.fetch_rank_raw(entry, rank)
         return await anyio.to_thread.run_sync(Slice.of, raw, where)
 
     async def _slice(self, node: Node) -> Slice:
