@@ -31,24 +31,31 @@ sequence an uninterrupted one would; a cursor committed with another seed is ref
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
 import glob
 import hashlib
+import json
 import math
 import os
+import posixpath
 import random
 import re
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol, cast
 
 from ._errors import ConfigMismatch, InvalidSample
+from ._remote import RemoteObject, S3Objects, is_s3, split_s3
 from ._sources import describe_cursor, dir_source
 
 __all__ = [
+    "HF_BLOCK_ROWS",
     "SHUFFLE_WINDOW",
     "DirSource",
+    "HfSource",
     "ParquetSource",
     "Source",
     "WdsSource",
@@ -86,38 +93,40 @@ def open_source(
     shuffle_seed: int | None = None,
     split: str | None = None,
 ) -> Source:
-    """The source `spec` names: `wds:PATTERN`, `parquet:PATH` or `dir:PATH`.
+    """The source `spec` names: `wds:PATTERN`, `parquet:PATH`, `hf:PATH` or `dir:PATH`.
 
-    `shard=(i, n)`: this producer's share of a sharded source's files. `key_column`: the Parquet
-    column holding the sample key. `epochs`, `shuffle_seed`: read the share `epochs` times, each
+    `shard=(i, n)`: this producer's share of a sharded source's files (hf: its rows). `key_column`:
+    the column holding the sample key (parquet:, hf:). `split`: the split of an hf: DatasetDict. `epochs`, `shuffle_seed`: read the share `epochs` times, each
     epoch in its own deterministic shuffled order (see the module docs). Raises ValueError for an
     unknown kind or an option that does not apply, FileNotFoundError when no file matches.
     """
     kind, colon, where = spec.partition(":")
     if not colon or not where:
-        raise ValueError(f"--source {spec!r}: expected wds:PATTERN, parquet:PATH or dir:PATH")
+        raise ValueError(f"--source {spec!r}: expected wds:PATTERN, parquet:PATH, hf:PATH or dir:PATH")
     i, n = shard
     if not 0 <= i < n:
         raise ValueError(f"shard {i}/{n}: expected 0 <= I < N")
     if split is not None and kind != "hf":
         raise ValueError("--split applies to hf: sources")
-    if key_column is not None and kind != "parquet":
-        raise ValueError("--key-column applies to parquet: sources")
+    if key_column is not None and kind not in ("parquet", "hf"):
+        raise ValueError("--key-column applies to parquet: and hf: sources")
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs {epochs!r}: expected an integer >= 1")
     if kind == "dir":
         if shard != (0, 1):
-            raise ValueError("--shard applies to wds: and parquet: sources")
+            raise ValueError("--shard applies to wds:, parquet: and hf: sources")
         if epochs != 1 or shuffle_seed is not None:
-            raise ValueError("--epochs and --shuffle-seed apply to wds: and parquet: sources")
+            raise ValueError("--epochs and --shuffle-seed apply to wds:, parquet: and hf: sources")
         return DirSource(where)
     src: _Sharded
     if kind == "wds":
         src = WdsSource(where, shard)
     elif kind == "parquet":
         src = ParquetSource(where, shard, key_column)
+    elif kind == "hf":
+        src = HfSource(where, shard, key_column, split)
     else:
-        raise ValueError(f"--source {spec!r}: unknown kind {kind!r} (wds, parquet or dir)")
+        raise ValueError(f"--source {spec!r}: unknown kind {kind!r} (wds, parquet, hf or dir)")
     src.epochs, src.seed = epochs, shuffle_seed
     return src
 
@@ -167,10 +176,11 @@ def expand_braces(pattern: str) -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class _File:
-    path: str
+    path: str  # a local path, or s3://BUCKET/KEY
     name: str  # what the cursor names: the path relative to the source's root
     size: int
     mtime_ns: int
+    etag: str | None = None  # an S3 object's ETag: what tells its versions apart (not its modification time)
 
 
 def _share(files: list[_File], shard: tuple[int, int]) -> list[_File]:
@@ -181,13 +191,71 @@ def _share(files: list[_File], shard: tuple[int, int]) -> list[_File]:
 def _fingerprint(share: list[_File]) -> str:
     h = hashlib.sha256()
     for f in share:
-        h.update(f"{f.name}\0{f.size}\0{f.mtime_ns}\0".encode())
+        version = f.mtime_ns if f.etag is None else f.etag
+        h.update(f"{f.name}\0{f.size}\0{version}\0".encode())
     return h.hexdigest()
 
 
 def _stat(path: str, name: str) -> _File:
     st = os.stat(path)
     return _File(path, name, st.st_size, st.st_mtime_ns)
+
+
+def _remote_file(bucket: str, o: RemoteObject, root: str) -> _File:
+    """An S3 object as a file of the share, named by its key relative to `root` (a key prefix without its `/`)."""
+    name = o.key[len(root) + 1 :] if root else o.key
+    return _File(f"s3://{bucket}/{o.key}", name, o.size, o.mtime_ns, o.etag)
+
+
+def _glob_match(pattern: str, key: str) -> bool:
+    """Whether `key` matches the glob `pattern` as a path: `*`, `?` and `[...]` never match a `/`."""
+    parts, names = pattern.split("/"), key.split("/")
+    return len(parts) == len(names) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(parts, names))
+
+
+def _match_s3(what: str, pattern: str) -> tuple[list[_File], S3Objects]:
+    """The objects `s3://BUCKET/PATTERN` names (globs and braces in the key), sorted by key, and the bucket.
+
+    One listing under the literal prefix all expansions share; a key without glob characters must exist."""
+    parsed = [split_s3(p) for p in expand_braces(pattern)]
+    buckets = {b for b, _ in parsed}
+    bucket = parsed[0][0]
+    if len(buckets) != 1 or glob.has_magic(bucket):
+        raise ValueError(f"{what}: name one bucket, without patterns in its name")
+    literal = [re.split(r"[*?\[]", k, maxsplit=1)[0] for _, k in parsed]
+    remote = S3Objects(bucket)
+    shared = os.path.commonprefix(literal)  # noqa: RUF071 - a key prefix, compared as text
+    listed = {o.key: o for o in remote.list(shared)}
+    chosen: dict[str, RemoteObject] = {}
+    for _, k in parsed:
+        if glob.has_magic(k):
+            chosen.update((key, o) for key, o in listed.items() if _glob_match(k, key))
+        elif k in listed:
+            chosen[k] = listed[k]
+        else:
+            raise FileNotFoundError(f"{what}: no object s3://{bucket}/{k} ({remote.where()})")
+    if not chosen:
+        raise FileNotFoundError(f"{what}: no object matches ({remote.where()})")
+    keys = sorted(chosen)
+    root = posixpath.commonpath([posixpath.dirname(k) for k in keys])
+    return [_remote_file(bucket, chosen[k], root) for k in keys], remote
+
+
+def _list_s3_parquet(what: str, url: str) -> tuple[list[_File], S3Objects]:
+    """The object `url` names, else the `.parquet` objects under it as a directory, sorted by key."""
+    bucket, key = split_s3(url)
+    remote = S3Objects(bucket)
+    if key and not key.endswith("/") and (o := remote.head(key)) is not None:
+        return [_remote_file(bucket, o, posixpath.dirname(key))], remote
+    root = key.rstrip("/")
+    found = [
+        o
+        for o in remote.list(root + "/" if root else "")
+        if o.key.endswith(".parquet") and not posixpath.basename(o.key).startswith(".")
+    ]
+    if not found:
+        raise FileNotFoundError(f"{what}: no .parquet objects under s3://{bucket}/{root} ({remote.where()})")
+    return [_remote_file(bucket, o, root) for o in found], remote
 
 
 class _Sharded:
@@ -198,6 +266,7 @@ class _Sharded:
     fp: str
     epochs: int = 1
     seed: int | None = None
+    remote: S3Objects | None = None  # the bucket, for a source in S3
 
     def _order(self, epoch: int) -> list[int]:
         """Epoch `epoch`'s order of the share: positions into `share`."""
@@ -225,22 +294,35 @@ class _Sharded:
             if not 0 <= index < len(names) or names[self._order(epoch)[index]] != name:
                 raise ConfigMismatch(f"{self.what}: the committed cursor {cursor!r} does not fit this share's order")
             return epoch, index, int(cursor["sample"])
-        files = cursor.get("files")
-        if isinstance(files, int) and files < len(names):
-            change = f"{len(names) - files} file(s) were added"
-        elif isinstance(files, int) and files > len(names):
-            change = f"{files - len(names)} file(s) were removed"
-        elif name not in names:
-            change = f"{name!r} (the file being read) is no longer in this producer's share (removed or renamed)"
-        elif index >= len(names) or names[self._order(epoch)[index]] != name:
-            change = "files were renamed"
-        else:
-            change = "a file was rewritten (its size or modification time changed)"
         raise ConfigMismatch(
             f"{self.what}: this producer's share ({len(names)} files) changed under the committed cursor "
-            f"({cursor['sample']} samples into {name!r}): {change}. Resuming would duplicate or lose samples; "
-            "restore the files, or produce the changed source under a new --producer-id"
+            f"({cursor['sample']} samples into {name!r}): {self._changed(cursor, names)}. Resuming would "
+            "duplicate or lose samples; restore the files, or produce the changed source under a new --producer-id"
         )
+
+    def _changed(self, cursor: dict[str, Any], names: list[str]) -> str:
+        """What changed, for a cursor whose fingerprint no longer matches the share."""
+        files, name, index = cursor.get("files"), str(cursor["shard"]), int(cursor["index"])
+        if isinstance(files, int) and files < len(names):
+            return f"{len(names) - files} file(s) were added"
+        if isinstance(files, int) and files > len(names):
+            return f"{files - len(names)} file(s) were removed"
+        if name not in names:
+            return f"{name!r} (the file being read) is no longer in this producer's share (removed or renamed)"
+        if index >= len(names) or names[self._order(int(cursor.get("epoch", 0)))[index]] != name:
+            return "files were renamed"
+        if self.remote is not None:
+            return "a file was rewritten (its size or ETag changed)"
+        return "a file was rewritten (its size or modification time changed)"
+
+    def _open(self, f: _File, *, ranged: bool = False) -> BinaryIO:
+        """`f` as a binary file: a local file, or an S3 object at the ETag it was listed with (`ranged`:
+        each read after a seek one ranged GET, for random access; else one streamed GET body)."""
+        if self.remote is None:
+            return open(f.path, "rb")
+        bucket, key = split_s3(f.path)
+        assert bucket == self.remote.bucket and f.etag is not None
+        return cast(BinaryIO, self.remote.open(RemoteObject(key, f.size, f.etag, f.mtime_ns), ranged=ranged))
 
     def _cursor(self, epoch: int, index: int, name: str, sample: int) -> dict[str, Any]:
         cursor: dict[str, Any] = {
@@ -302,10 +384,12 @@ class _Sharded:
 
 
 class WdsSource(_Sharded):
-    """`wds:PATTERN`: WebDataset tar shards on the local file system (`s3://` is not read yet).
+    """`wds:PATTERN`: WebDataset tar shards on the local file system or in S3 (`s3://BUCKET/KEY-PATTERN`).
 
     PATTERN is a glob, a brace pattern such as `/data/train-{000..127}.tar`, or both; a pattern
-    without glob characters must name an existing file. The files are sorted by path. Members are
+    without glob characters must name an existing file (object). In S3 the keys under the literal
+    prefix of the pattern are listed once and matched, `*` never matching a `/`. The files are
+    sorted by path (key). Members are
     read in order in streaming mode (a shard is never loaded whole) and grouped as WebDataset does:
     consecutive members with the same key (the member path up to the first dot of its base name)
     make one sample, the rest of the name is the field, the bytes are as stored. Directory entries
@@ -315,8 +399,13 @@ class WdsSource(_Sharded):
 
     def __init__(self, pattern: str, shard: tuple[int, int] = (0, 1)) -> None:
         self.what = f"wds:{pattern}"
+        if is_s3(pattern):
+            files, self.remote = _match_s3(self.what, pattern)
+            self.share = _share(files, shard)
+            self.fp = _fingerprint(self.share)
+            return
         if "://" in pattern:
-            raise ValueError(f"{self.what}: only local paths are read (no URLs yet)")
+            raise ValueError(f"{self.what}: only local paths and s3:// URLs are read")
         paths: set[str] = set()
         for p in expand_braces(pattern):
             if glob.has_magic(p):
@@ -338,7 +427,7 @@ class WdsSource(_Sharded):
         sample: dict[str, Any] | None = None
         seen = 0
         try:
-            with tarfile.open(f.path, "r|*") as tar:
+            with self._open(f) as raw, tarfile.open(fileobj=raw, mode="r|*") as tar:
                 for member in tar:
                     if not member.isfile():
                         continue
@@ -400,7 +489,8 @@ def _storable(value: Any) -> bool:
 
 
 class ParquetSource(_Sharded):
-    """`parquet:PATH`: a Parquet file, or the `.parquet` files under a directory (sorted by path).
+    """`parquet:PATH`: a Parquet file, or the `.parquet` files under a directory (sorted by path); in
+    S3, `parquet:s3://BUCKET/KEY` names an object, or else the `.parquet` objects under `KEY/`.
 
     One row is one sample. With `key_column` that column's value (text or an integer) is the key
     and is not stored as a field; without it the key is `<file stem>-<row index>`. Every other
@@ -413,10 +503,12 @@ class ParquetSource(_Sharded):
     def __init__(self, path: str, shard: tuple[int, int] = (0, 1), key_column: str | None = None) -> None:
         self.what = f"parquet:{path}"
         self.key_column = key_column
-        if "://" in path:
-            raise ValueError(f"{self.what}: only local paths are read (no URLs yet)")
         root = Path(path)
-        if root.is_file():
+        if is_s3(path):
+            files, self.remote = _list_s3_parquet(self.what, path)
+        elif "://" in path:
+            raise ValueError(f"{self.what}: only local paths and s3:// URLs are read")
+        elif root.is_file():
             files = [_stat(str(root), root.name)]
         elif root.is_dir():
             found = sorted(p for p in root.rglob("*.parquet") if p.is_file() and not p.name.startswith("."))
@@ -432,7 +524,8 @@ class ParquetSource(_Sharded):
     def _samples(self, f: _File, skip: int) -> Iterator[dict[str, Any]]:
         pq = _pyarrow_parquet()
         where = f"{self.what}: {f.path}"
-        with pq.ParquetFile(f.path) as pf:
+        source: Any = f.path if self.remote is None else self._open(f, ranged=True)
+        with contextlib.closing(source) if self.remote else contextlib.nullcontext(), pq.ParquetFile(source) as pf:
             columns = pf.schema_arrow.names
             if self.key_column is not None and self.key_column not in columns:
                 raise ValueError(f"{where}: no column {self.key_column!r} (--key-column); columns: {columns}")
@@ -457,22 +550,207 @@ class ParquetSource(_Sharded):
                     if row < skip:
                         row += 1
                         continue
-                    yield self._sample(values, stem, row, where)
+                    yield _row_sample(values, f"{stem}-{row:09d}", self.key_column, f"{where} row {row}")
                     row += 1
 
-    def _sample(self, values: dict[str, Any], stem: str, row: int, where: str) -> dict[str, Any]:
-        if self.key_column is None:
-            key: Any = f"{stem}-{row:09d}"
+
+def _row_sample(values: dict[str, Any], key: str, key_column: str | None, where: str) -> dict[str, Any]:
+    """A table row as a sample: keyed `key`, or by the value of `key_column` (text or an integer, not
+    stored as a field); every other column a field, refused with InvalidSample unless `_storable`."""
+    if key_column is not None:
+        value = values.pop(key_column)
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise InvalidSample(f"{where}: key column {key_column!r} holds {value!r}, not text")
+        key = str(value)
+    sample: dict[str, Any] = {"__key__": key}
+    for column, value in values.items():
+        if not _storable(value):
+            raise InvalidSample(f"{where} column {column!r}: cannot store {type(value).__name__} {value!r:.60}")
+        sample[column] = value
+    return sample
+
+
+# -- Hugging Face datasets (save_to_disk) ------------------------------------------------------------
+
+HF_BLOCK_ROWS = 4096
+"""Rows in one unit of an `hf:` share: what the cursor's `shard` names and an epoch's order shuffles."""
+
+
+class _NotEmbedded(Exception):
+    """A media value holding only a path: its bytes are not in the dataset."""
+
+
+def _media(t: Any) -> Any:
+    """A function turning values of Arrow type `t` that hold datasets' media (Image, Audio, Video:
+    a struct of exactly `bytes` and `path`) into the bytes, anywhere in lists and structs; None if
+    `t` holds none."""
+    import pyarrow as pa
+
+    if pa.types.is_struct(t):
+        names = [t.field(i).name for i in range(t.num_fields)]
+        if sorted(names) == ["bytes", "path"] and (
+            pa.types.is_binary(t.field("bytes").type) or pa.types.is_large_binary(t.field("bytes").type)
+        ):
+            return _media_bytes
+        inner = {t.field(i).name: f for i in range(t.num_fields) if (f := _media(t.field(i).type)) is not None}
+        if not inner:
+            return None
+        return lambda v: v if v is None else {k: inner[k](x) if k in inner else x for k, x in v.items()}
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        item = _media(t.value_type)
+        return None if item is None else (lambda v: v if v is None else [item(x) for x in v])
+    return None
+
+
+def _media_bytes(v: Any) -> Any:
+    if v is None:
+        return None
+    if v.get("bytes") is None:
+        raise _NotEmbedded(v.get("path"))
+    return v["bytes"]
+
+
+class HfSource(_Sharded):
+    """`hf:PATH`: a Hugging Face dataset saved with `save_to_disk`, read with pyarrow, memory-mapped.
+
+    PATH holds a Dataset (`state.json` and its `data-XXXXX-of-NNNNN.arrow` files) or a DatasetDict
+    (`dataset_dict.json` and one such directory per split): `split` picks the split, and may be left
+    out when there is only one. The rows of the split (its arrow files in the order `state.json`
+    lists them) are numbered from 0; `shard=(i, n)` takes the contiguous rows `[i*R//n, (i+1)*R//n)`
+    of R, cut into units of at most HF_BLOCK_ROWS rows that do not cross a file, named
+    `<file>[<start>:<stop>]` (rows of that file). Units play the part files play for wds: and
+    parquet: (the cursor's `shard`, an epoch's shuffled order); the cursor also holds `"rows": R`.
+
+    One row is one sample, as for parquet: (`key_column`, else the key `<split>-<row index:09d>`, the
+    split `train` for a Dataset saved without one, dots in it as `-`); a media value (datasets'
+    Image, Audio, Video: `{"bytes", "path"}`) becomes its bytes, and one saved without its bytes
+    raises InvalidSample. The fingerprint covers every arrow file of the split (name, size,
+    modification time) and the share's units.
+    """
+
+    def __init__(
+        self, path: str, shard: tuple[int, int] = (0, 1), key_column: str | None = None, split: str | None = None
+    ) -> None:
+        self.what = f"hf:{path}"
+        self.key_column = key_column
+        if "://" in path:
+            raise ValueError(f"{self.what}: only local paths are read")
+        _pyarrow_parquet()
+        import pyarrow as pa
+
+        root = Path(path)
+        if (root / "dataset_dict.json").is_file():
+            splits = self._json(root / "dataset_dict.json").get("splits")
+            if not isinstance(splits, list) or not all(isinstance(x, str) and x for x in splits) or not splits:
+                raise ValueError(f"{self.what}: dataset_dict.json lists no splits")
+            if split is None and len(splits) > 1:
+                raise ValueError(f"{self.what}: a DatasetDict with splits {splits}: choose one with --split")
+            split = split if split is not None else splits[0]
+            if split not in splits:
+                raise ValueError(f"{self.what}: no split {split!r}; the splits are {splits}")
+            where = root / split
+        elif (root / "state.json").is_file():
+            where = root
         else:
-            key = values.pop(self.key_column)
-            if isinstance(key, bool) or not isinstance(key, (str, int)):
-                raise InvalidSample(f"{where} row {row}: key column {self.key_column!r} holds {key!r}, not text")
-            key = str(key)
-        sample: dict[str, Any] = {"__key__": key}
-        for column, value in values.items():
-            if not _storable(value):
-                raise InvalidSample(
-                    f"{where} row {row} column {column!r}: cannot store {type(value).__name__} {value!r:.60}"
-                )
-            sample[column] = value
-        return sample
+            raise FileNotFoundError(
+                f"{self.what}: no dataset saved with save_to_disk (no dataset_dict.json or state.json)"
+            )
+        state = self._json(where / "state.json")
+        own = state.get("_split")
+        if split is not None and where == root and split != own:
+            raise ValueError(
+                f"{self.what}: a Dataset (split {own!r}), not a DatasetDict: --split {split!r} does not apply"
+            )
+        self.split = str(split or own or "train")
+        entries = state.get("_data_files")
+        if not isinstance(entries, list) or not entries:
+            raise ValueError(f"{self.what}: {where / 'state.json'} lists no data files")
+        files: list[_File] = []
+        for e in entries:
+            name = e.get("filename") if isinstance(e, dict) else None
+            if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+                raise ValueError(f"{self.what}: {where / 'state.json'} lists an unusable data file {e!r:.80}")
+            if not (where / name).is_file():
+                raise FileNotFoundError(f"{self.what}: {where / name} (listed in state.json) is missing")
+            files.append(_stat(str(where / name), name))
+        self._pa = pa
+        self._table: tuple[str, Any] | None = None
+        counts = [self._open_table(f.path).num_rows for f in files]
+        self.rows = sum(counts)
+        i, n = shard
+        lo, hi = i * self.rows // n, (i + 1) * self.rows // n
+        self.units: dict[str, tuple[_File, int, int, int]] = {}  # name: (file, first row of the file, start, stop)
+        share: list[_File] = []
+        first = 0
+        for f, count in zip(files, counts):
+            start = max(lo - first, 0)
+            stop = min(hi - first, count)
+            for a in range(start, stop, HF_BLOCK_ROWS):
+                b = min(a + HF_BLOCK_ROWS, stop)
+                unit = _File(f.path, f"{f.name}[{a}:{b}]", f.size, f.mtime_ns)
+                self.units[unit.name] = (f, first, a, b)
+                share.append(unit)
+            first += count
+        self.share = share
+        self.fp = _fingerprint(files + share)
+
+    def _json(self, path: Path) -> dict[str, Any]:
+        try:
+            value = json.loads(path.read_bytes())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{self.what}: {path} is not readable JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{self.what}: {path} is not a JSON object")
+        return value
+
+    def _open_table(self, path: str) -> Any:
+        """The arrow file at `path` as a table over its memory map (nothing is copied); the last one is kept."""
+        if self._table is None or self._table[0] != path:
+            try:
+                with self._pa.memory_map(path) as source:
+                    table = self._pa.ipc.open_stream(source).read_all()
+            except self._pa.ArrowInvalid as e:
+                raise InvalidSample(f"{self.what}: {path} is not an arrow stream file: {e}") from None
+            self._table = (path, table)
+        return self._table[1]
+
+    def _cursor(self, epoch: int, index: int, name: str, sample: int) -> dict[str, Any]:
+        cursor = super()._cursor(epoch, index, name, sample)
+        cursor["rows"] = self.rows
+        return cursor
+
+    def _changed(self, cursor: dict[str, Any], names: list[str]) -> str:
+        rows, name = cursor.get("rows"), str(cursor["shard"])
+        if isinstance(rows, int) and rows != self.rows:
+            return f"the split {self.split!r} now has {self.rows} rows, not {rows}"
+        if name not in names:
+            return f"{name!r} (the rows being read) is no longer in this producer's share"
+        return "an arrow file of the split was rewritten (its size or modification time changed)"
+
+    def _samples(self, f: _File, skip: int) -> Iterator[dict[str, Any]]:
+        file, first, start, stop = self.units[f.name]
+        where = f"{self.what}: {file.path}"
+        if skip > stop - start:
+            raise ConfigMismatch(
+                f"{where}: the committed cursor is {skip} rows into {f.name}, which has {stop - start}"
+            )
+        table = self._open_table(file.path)
+        if table.num_rows < stop:
+            raise ConfigMismatch(f"{where}: it holds {table.num_rows} rows, not {stop} as it did when listed")
+        if self.key_column is not None and self.key_column not in table.column_names:
+            raise ValueError(f"{where}: no column {self.key_column!r} (--key-column); columns: {table.column_names}")
+        media = {c.name: m for c in table.schema if (m := _media(c.type)) is not None}
+        prefix = self.split.replace(".", "-")
+        row = first + start + skip
+        for batch in table.slice(start + skip, stop - start - skip).to_batches(max_chunksize=256):
+            for values in batch.to_pylist():
+                at = f"{where} row {row - first}"
+                for column, convert in media.items():
+                    try:
+                        values[column] = convert(values[column])
+                    except _NotEmbedded as e:
+                        raise InvalidSample(
+                            f"{at} column {column!r}: the media value holds only a path ({e}), not its bytes"
+                        ) from None
+                yield _row_sample(values, f"{prefix}-{row:09d}", self.key_column, at)
+                row += 1
