@@ -7,12 +7,12 @@ cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
 say() { echo "setup: $*" >&2; }
 
-if dpkg -s fuse3 libfuse3-dev pkg-config >/dev/null 2>&1; then
-  say "system packages fuse3, libfuse3-dev, pkg-config: already installed"
+if dpkg -s fuse3 libfuse3-dev pkg-config nats-server >/dev/null 2>&1; then
+  say "system packages fuse3, libfuse3-dev, pkg-config, nats-server: already installed"
 else
-  say "installing system packages fuse3, libfuse3-dev, pkg-config (apt-get)..."
+  say "installing system packages fuse3, libfuse3-dev, pkg-config, nats-server (apt-get)..."
   apt-get update -qq
-  apt-get install -y -qq fuse3 libfuse3-dev pkg-config >/dev/null
+  apt-get install -y -qq fuse3 libfuse3-dev pkg-config nats-server >/dev/null
 fi
 if [ -x .venv/bin/python ]; then
   say "virtual environment .venv: exists"
@@ -24,6 +24,6 @@ say "upgrading pip in .venv..."
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 say "installing torch 2.13.0 (a few minutes on a fresh machine; quiet unless it fails)..."
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-say "installing lakestream with its extras s3, mount, torch, sources, hf, ray, examples, dev (a few minutes on a fresh machine)..."
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[s3,mount,torch,sources,hf,ray,examples,dev]"
+say "installing lakestream with its extras s3, mount, torch, sources, hf, ray, examples, bench, dev (a few minutes on a fresh machine)..."
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[s3,mount,torch,sources,hf,ray,examples,bench,dev]"
 say "done: $(.venv/bin/lakestream --version) in .venv (try: .venv/bin/lakestream demo)"

@@ -52,3 +52,19 @@ def test_mount_bench_smoke() -> None:
     assert re.search(r"cold read .*GB/s", out), out[-3000:]
     assert re.search(r"4 KiB open\+read\+close p50 / p99, cold .* µs", out), out[-3000:]
     assert re.search(r"^(MET|NOT MET) +commit -> first byte p50 [\d.]+ ms", out, re.M), out[-3000:]
+
+
+def test_e2e_bench_smoke() -> None:
+    out = run_bench("e2e.py", timeout=400.0)  # needs nats-server (scripts/setup.sh installs it)
+    pipelines = ["ceiling", r"\(a\) co-located", r"\(b\) Lakestream, StreamDataset", r"\(c\) NATS JetStream"]
+    if MOUNT:
+        pipelines.append(r"\(b\) Lakestream, mount")
+    for name in pipelines:  # a row of figures per pipeline: steps/s, ratio to the ceiling, stall p50 and p99
+        assert re.search(rf"^\| {name} +\| +\d+\.\d\d \| +[\d.]+ \| +[\d.]+ \| +[\d.]+ \|", out, re.M), (
+            name,
+            out[-4000:],
+        )
+    for name in pipelines[1:]:  # every sample of the dataset reached the trainer exactly once
+        assert re.search(rf"^\| {name} .*\| +48/48, 0 repeated \|$", out, re.M), (name, out[-4000:])
+    assert "trainer-side CPU per sample, Lakestream / co-located" in out, out[-3000:]
+    assert "## Projection (computed from the figures above, not measured)" in out, out[-3000:]
