@@ -661,6 +661,8 @@ def _fleet(a: argparse.Namespace) -> int:
         max_restarts=a.max_restarts, ray_address=a.ray_address,
     )  # fmt: skip
     print(orjson.dumps(report.to_dict()).decode() if a.json else report.summary())
+    if not report.ok:
+        print(f"lakestream fleet: error: {_safe(report.reason())}", file=sys.stderr)
     return 0 if report.ok else 1
 
 

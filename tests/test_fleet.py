@@ -1,0 +1,229 @@
+"""The producer fleet on Ray (`lakestream fleet`, `lakestream.ray.run_fleet`) on a real local Ray cluster:
+every sample exactly once, an actor's process SIGKILLed and restarted, an S3 stream, a failing --map,
+the summary's figures against the stream.
+
+One cluster (`ray start --head --block`) serves the file; the first test runs before it starts and
+covers the command starting a local cluster of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from cliutil import describe, run_cli, spawn_cli, wait_until
+from test_sources import make_wds, read_values
+
+import lakestream
+from lakestream.ray import FleetReport, run_fleet
+
+SHARDS, PER_SHARD = 6, 30  # 180 samples; with 3 producers, producer i takes shards i and i + 3
+ALL_KEYS = {f"s{s:03d}-{i:04d}" for s in range(SHARDS) for i in range(PER_SHARD)}
+
+SLOW_MODULE = """
+import time
+
+def fn(sample):
+    time.sleep(0.1)
+    return sample
+"""
+
+FAILING_MODULE = """
+def fn(sample):
+    if sample["__key__"] == "s004-0003":
+        raise RuntimeError("cannot decode")
+    return sample
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def ray_address() -> Iterator[str]:
+    """A local Ray cluster for the module (`ray start --head --block`, stopped by SIGTERM): its address.
+
+    Its ports are free ones, so it does not collide with another cluster on the machine; token
+    authentication is off (it listens on the loopback only, for the length of the module)."""
+    temp = tempfile.mkdtemp(prefix="lsray-", dir="/tmp")  # Ray's socket paths must stay short
+    port = _free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    log_path = Path(temp) / "ray-start.log"
+    ray = str(Path(sys.executable).with_name("ray"))
+    argv = [ray, "start", "--head", "--block", "--port", port, "--node-ip-address", "127.0.0.1", "--num-cpus", 4,
+            "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp,
+            "--ray-client-server-port", _free_port(), "--dashboard-agent-listen-port", _free_port()]  # fmt: skip
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [str(a) for a in argv], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        wait_until(
+            lambda: "Ray runtime started" in log_path.read_text() or proc.poll() is not None, 90, "the Ray cluster"
+        )
+        assert proc.poll() is None, log_path.read_text()
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)  # `ray start --block` stops the cluster's processes
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> dict[str, Any]:
+    """WebDataset shards, map modules on a PYTHONPATH, an initialised file:// stream of 2 ranks x 4."""
+    make_wds(tmp_path / "wds", SHARDS, PER_SHARD)
+    (tmp_path / "mod").mkdir()
+    (tmp_path / "mod" / "slow.py").write_text(SLOW_MODULE)
+    (tmp_path / "mod" / "failing.py").write_text(FAILING_MODULE)
+    url = f"file://{tmp_path}/stream"
+    run_cli("init", url, "--world-size", 2, "--global-batch", 4, check=True)
+    return {"url": url, "spec": f"wds:{tmp_path}/wds/*.tar", "env": {"PYTHONPATH": str(tmp_path / "mod")}}
+
+
+def fleet(*args: Any, env: dict[str, str] | None = None, check: bool | None = True) -> subprocess.CompletedProcess[str]:
+    return run_cli("fleet", *args, env=env, timeout=240, check=check)
+
+
+def summary(r: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads(r.stdout.splitlines()[-1])
+    return out
+
+
+def verified(url: str) -> dict[str, Any]:
+    """`lakestream verify --json`, asserted OK."""
+    report: dict[str, Any] = json.loads(run_cli("verify", url, "--json", check=True).stdout)
+    assert report["ok"] and not report["problems"], report
+    return report
+
+
+def status(url: str) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads(run_cli("status", url, "--json", check=True).stdout)
+    return out
+
+
+def test_without_an_address_the_command_starts_a_local_cluster(setup: dict[str, Any]) -> None:
+    """No --ray-address and no RAY_ADDRESS: a local cluster for the run. Every sample once, and the summary's
+    figures are the stream's."""
+    env = {**setup["env"], "RAY_ADDRESS": ""}
+    r = fleet(setup["url"], "--source", setup["spec"], "--producers", 3, "--json", env=env)
+    s = summary(r)
+    assert set(read_values(setup["url"], 2)) == ALL_KEYS
+    v = verified(setup["url"])
+    assert (s["samples"], s["steps"], s["bytes"]) == (180, 45, v["bytes"]) and v["samples"] == 180, describe(r)
+    assert s["ok"] and s["restarts"] == 0 and s["failed"] == {} and s["skipped"] == [], describe(r)
+    assert sorted(status(setup["url"])["producers"]) == ["fleet-0", "fleet-1", "fleet-2"]
+
+
+def _producer_actor_pids() -> list[int]:
+    """Processes running a producer actor's task (Ray titles them `ray::_ProducerActor.run`)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(b"ray::_ProducerActor.run"):
+                pids.append(int(entry.name))
+        except OSError:
+            continue  # gone meanwhile
+    return pids
+
+
+def test_an_actor_killed_mid_run_is_restarted_and_every_sample_lands_once(
+    setup: dict[str, Any], ray_address: str
+) -> None:
+    url = setup["url"]
+    proc = spawn_cli("fleet", url, "--source", setup["spec"], "--producers", 3, "--map", "slow:fn", "--json",
+                     "--ray-address", ray_address, env=setup["env"])  # fmt: skip
+    try:
+        wait_until(lambda: status(url)["head_step"] >= 6, timeout=90, what="7 committed steps")
+        victim = wait_until(_producer_actor_pids, timeout=30, what="a producer actor's process")[0]
+        assert proc.poll() is None, "the fleet ended before an actor could be killed"
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err}"
+    s = json.loads(out.splitlines()[-1])
+    assert s["restarts"] == 1 and s["ok"], s
+    assert set(read_values(url, 2)) == ALL_KEYS  # read_values asserts every key once
+    v = verified(url)
+    assert (s["samples"], s["steps"], s["bytes"]) == (180, 45, v["bytes"]), s
+
+
+def test_a_fleet_on_s3_with_worker_processes(tmp_path: Path, s3_url: str, ray_address: str) -> None:
+    """AWS_* reach the actors; --workers-per-producer spawns the map workers inside the actors."""
+    make_wds(tmp_path / "wds", SHARDS, PER_SHARD)
+    (tmp_path / "mod").mkdir()
+    (tmp_path / "mod" / "failing.py").write_text(FAILING_MODULE)
+    run_cli("init", s3_url, "--world-size", 2, "--global-batch", 4, check=True)
+    r = fleet(s3_url, "--source", f"wds:{tmp_path}/wds/*.tar", "--producers", 2, "--name", "s3fleet",
+              "--map", "failing:fn", "--on-error", "skip", "--workers-per-producer", 1, "--json",
+              "--ray-address", ray_address, env={"PYTHONPATH": str(tmp_path / "mod")})  # fmt: skip
+    s = summary(r)
+    assert s["skipped"] == ["s004-0003"] and s["samples"] == 179 and s["producers"] == 2, describe(r)
+    assert set(read_values(s3_url, 2)) == ALL_KEYS - {"s004-0003"}
+    assert verified(s3_url)["samples"] == 179
+    assert sorted(status(s3_url)["producers"]) == ["s3fleet-0", "s3fleet-1"]
+
+
+def test_a_failing_map_fails_the_run_naming_the_key_and_a_rerun_resumes(
+    setup: dict[str, Any], ray_address: str
+) -> None:
+    url, base = setup["url"], ["--source", setup["spec"], "--producers", 3, "--map", "failing:fn"]
+    r = fleet(url, *base, "--ray-address", ray_address, env=setup["env"], check=False)
+    assert r.returncode == 1, describe(r)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lakestream fleet: error: fleet-1 failed:"), describe(r)
+    assert "'s004-0003'" in lines[0] and "train-004.tar" in lines[0] and "cannot decode" in lines[0], describe(r)
+    before = verified(url)["samples"]
+    assert 120 <= before < 180  # fleet-0 and fleet-2 finished, fleet-1 stopped at the key
+    r = fleet(url, *base, "--on-error", "skip", "--json", "--ray-address", ray_address, env=setup["env"])
+    s = summary(r)
+    assert s["skipped"] == ["s004-0003"] and s["samples"] == 179 - before and s["ok"], describe(r)
+    assert set(read_values(url, 2)) == ALL_KEYS - {"s004-0003"}
+    assert verified(url)["samples"] == 179
+
+
+def test_run_fleet_from_python(setup: dict[str, Any], ray_address: str) -> None:
+    report = run_fleet(setup["url"], setup["spec"], 2, name="py", ray_address=ray_address)
+    assert isinstance(report, FleetReport) and report.ok, report
+    # 90 samples a producer: 22 global batches of 4 and a short last one of 2, each
+    assert (report.producers, report.samples, report.steps, report.restarts) == (2, 180, 46, 0), report
+    assert report.bytes == verified(setup["url"])["bytes"] and report.skipped == [], report
+    assert set(read_values(setup["url"], 2)) == ALL_KEYS
+
+
+def test_a_bad_source_fails_every_producer_with_its_reason(setup: dict[str, Any], ray_address: str) -> None:
+    report = run_fleet(setup["url"], "wds:/nonexistent/*.tar", 2, ray_address=ray_address)
+    assert not report.ok and sorted(report.failed) == ["fleet-0", "fleet-1"], report
+    assert report.reason().startswith("fleet-0, fleet-1 failed: ") and "/nonexistent/" in report.reason(), report
+    assert report.samples == 0
+
+
+def test_what_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(lakestream.StreamNotFound):
+        run_fleet(f"file://{tmp_path}/none", "wds:x", 2)
+    with pytest.raises(ValueError, match="--workers-per-producer and --on-error apply to --map"):
+        run_fleet(f"file://{tmp_path}/none", "wds:x", 2, workers_per_producer=2)
+    with pytest.raises(ValueError, match="expected at least 1"):
+        run_fleet(f"file://{tmp_path}/none", "wds:x", 0)
+    url = f"file://{tmp_path}/stream"
+    anyio.run(lambda: lakestream.create(url, world_size=1, global_batch=2))
+    r = run_cli("fleet", url, "--source", "wds:x", "--producers", 0, check=False)
+    assert r.stderr.strip().splitlines() == ["lakestream fleet: error: --producers 0: expected at least 1"], describe(r)
