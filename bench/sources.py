@@ -363,7 +363,10 @@ async def fleet_run(streams: Streams, ds: Dataset, actors: int, with_map: bool) 
 class Results:
     runs: dict[tuple[Any, ...], list[Run]] = field(default_factory=lambda: collections.defaultdict(list))
 
-    def add(self, key: tuple[Any, ...], run: Run) -> Run:
+    def add(self, key: tuple[Any, ...], run: Run, expected: int) -> Run:
+        """Record `run`, which must have read (or committed) every one of the `expected` samples."""
+        if run.samples != expected:
+            raise RuntimeError(f"{key}: {run.samples} samples, expected {expected}")
         self.runs[key].append(run)
         return run
 
@@ -404,7 +407,7 @@ async def one_repetition(
         for key, fn in reversed(runs) if flip else runs:
             r = fn()
             r = await r if not isinstance(r, Run) else r
-            res.add(key, r)
+            res.add(key, r, data.samples)
             progress(f"rep {rep + 1} {kind:7} {key[0]:8} no map: {r.per_s:8.0f} samples/s {r.mb_s:6.0f} MB/s")
         for w in a.workers:
             pair: list[tuple[tuple[Any, ...], Callable[[], Any]]] = [
@@ -414,16 +417,16 @@ async def one_repetition(
             for key, fn in reversed(pair) if flip != (w % 2 == 1) else pair:
                 r = fn()
                 r = await r if not isinstance(r, Run) else r
-                res.add(key, r)
+                res.add(key, r, small.samples)
                 progress(f"rep {rep + 1} {kind:7} {key[0]:8} map, {w} workers: {r.per_s:6.0f} samples/s")
     if "hf" in kinds and rep == 0:
         t0 = time.perf_counter()
         n = sum(1 for _ in read_hf_datasets(data))
-        res.add(("hf-datasets", None, None), Run(time.perf_counter() - t0, n, data.nbytes))
+        res.add(("hf-datasets", None, None), Run(time.perf_counter() - t0, n, data.nbytes), data.samples)
     for actors in a.fleet:
         for with_map in (False, True):
             ds = small if with_map else data
-            r = res.add(("fleet", actors, with_map), await fleet_run(streams, ds, actors, with_map))
+            r = res.add(("fleet", actors, with_map), await fleet_run(streams, ds, actors, with_map), ds.samples)
             progress(f"rep {rep + 1} fleet of {actors} {'map' if with_map else 'no map'}: {r.per_s:6.0f} samples/s")
 
 

@@ -68,3 +68,15 @@ def test_e2e_bench_smoke() -> None:
         assert re.search(rf"^\| {name} .*\| +48/48, 0 repeated \|$", out, re.M), (name, out[-4000:])
     assert "trainer-side CPU per sample, Lakestream / co-located" in out, out[-3000:]
     assert "## Projection (computed from the figures above, not measured)" in out, out[-3000:]
+
+
+def test_sources_bench_smoke() -> None:
+    out = run_bench("sources.py", timeout=280)  # every run must read or commit every sample, or it exits 1
+    for kind in ("wds", "parquet", "hf"):  # a row per kind: library, source, put loop, produce
+        assert re.search(rf"^\| {kind} +\|( +\d+ / \d+ \|){{4}}$", out, re.M), (kind, out[-3000:])
+        for workers in (0, 1):  # with the map, beside the library read + the same map
+            assert re.search(rf"^\| {kind} +\| +{workers} \| +\d+ \| +\d+ \| +\d+\.\d\d ", out, re.M), (kind, workers)
+        assert re.search(rf"^target {kind}: the source adds [+-]\d+\.\d%", out, re.M), (kind, out[-3000:])
+    for fleet_map in ("none", "decode_map"):  # a fleet of 2 actors, without and with the map
+        assert re.search(rf"^\| {fleet_map} +\| +\d+ \| +2 \| +\d+ \|", out, re.M), (fleet_map, out[-3000:])
+    assert re.search(r"^plot: \S+sources_throughput\.png$", out, re.M), out[-3000:]
