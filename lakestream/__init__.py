@@ -197,21 +197,15 @@ async def reshape(
 ) -> State:
     """Read every step from `from_step` (None: the step after the head) as `world_size` ranks.
 
-    Steps already committed for another world size are re-sliced on read: nothing is discarded,
-    every rank's samples still partition each step and counts differ by at most one. A trainer
-    restarted with the new world size resumes from its checkpoint. `global_batch` must be the
-    stream's own (changing it is not supported: ValueError). Returns the new state.
+    A world-size change discards nothing: steps committed for another world size are re-sliced on
+    read, every rank's samples still partition each step and counts differ by at most one. A new
+    `global_batch` applies from the step after the head at the latest; the steps from `from_step`
+    on are discarded and every producer is fenced, as by a rewind, so they re-produce those
+    samples in TGBs of the new size. Restart the trainer with the new shape from a checkpoint
+    before `from_step`. Returns the new state.
     """
     async with _store_for(target) as store:
-        if global_batch is not None:
-            state = await load_state(store)
-            assert state.config is not None
-            if global_batch != state.config.global_batch:
-                raise ValueError(
-                    f"{store.url}: changing the global batch ({state.config.global_batch}) is not supported; "
-                    "only the world size can change"
-                )
-        return await _reshape(store, world_size, from_step=from_step)
+        return await _reshape(store, world_size, global_batch=global_batch, from_step=from_step)
 
 
 async def gc(target: Target, **options: Any) -> GcReport:

@@ -277,7 +277,8 @@ def _parser() -> argparse.ArgumentParser:
     to.add_argument("--to-step", type=_nonneg, metavar="S", help="the last step to keep")
 
     p = sub.add_parser("reshape", help="read the steps from a step on as another number of ranks", description=(
-        "From step S (default: the step after the head) every step is read as W2 ranks. Nothing is discarded: "
+        "From step S (default: the step after the head) every step is read as W2 ranks. A world-size change "
+        "discards nothing: "
         "steps committed for another world size are re-sliced on read (each rank reads only the stored slices "
         "that hold its samples, checksums verified), the ranks' samples partition every step and their counts "
         "differ by at most one. Restart the trainer with W2 ranks from a checkpoint before S."
@@ -285,7 +286,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("url", help=url_help)
     p.add_argument("--world-size", type=int, required=True, metavar="W2", help="the new number of ranks")
     p.add_argument("--global-batch", type=int, default=None, metavar="B2",
-                   help="must be the stream's own global batch: changing it is not supported")  # fmt: skip
+                   help="the new global batch (default: unchanged); from S at most the step after the head: the "
+                        "steps from S on are discarded and re-produced, every producer is fenced (as by a rewind) "
+                        "and resumes from its cursor as of step S - 1")  # fmt: skip
     p.add_argument("--from-step", type=_nonneg, default=None, metavar="S",
                    help="the first step read as W2 ranks (default: the step after the head)")  # fmt: skip
 
@@ -545,8 +548,8 @@ async def _rewind(a: argparse.Namespace) -> int:
 
 async def _reshape(a: argparse.Namespace) -> int:
     state = await lakestream.reshape(a.url, a.world_size, global_batch=a.global_batch, from_step=a.from_step)
-    start, w = state.shapes[-1]
-    print(f"{a.url}: steps from {start} on are read as {w} ranks")
+    start, w, b = state.shapes[-1]
+    print(f"{a.url}: steps from {start} on are read as {w} ranks, global batch {b}")
     return 0
 
 
@@ -581,10 +584,10 @@ def status_dict(state: lakestream.State) -> dict[str, Any]:
         "first_step": state.first_step,
         "version": state.version,
         "world_size": state.world_at(state.head + 1),
-        "global_batch": state.config.global_batch,
+        "global_batch": state.batch_at(state.head + 1),
         "shapes": [
-            {"from_step": step, "world_size": w, "global_batch": state.config.global_batch}
-            for step, w in [(0, state.config.world_size), *state.shapes]
+            {"from_step": step, "world_size": w, "global_batch": b}
+            for step, w, b in [(0, state.config.world_size, state.config.global_batch), *state.shapes]
         ],
         "config": state.config.to_dict(),
         "producers": {

@@ -159,22 +159,36 @@ def reclaim(state: State, now: float) -> ReclaimRecord | None:
 
 
 def reshape(
-    state: State, world_size: int, *, from_step: int | None = None, now: float, url: str = ""
+    state: State,
+    world_size: int,
+    *,
+    global_batch: int | None = None,
+    from_step: int | None = None,
+    now: float,
+    url: str = "",
 ) -> ReshapeRecord | None:
-    """Read every step from `from_step` (None: the step after the head) as `world_size` ranks.
+    """From `from_step` (None: the step after the head) read steps as `world_size` ranks of at most
+    `global_batch` samples (None: the global batch in force there).
 
-    None when that shape is already the newest one recorded from that step. Raises
-    StepUnavailable for a reclaimed step, ValueError for a world size the stream cannot have.
+    None when that shape is already the newest one recorded from that step. A new global batch
+    applies from the step after the head at the latest, and discards the steps from `from_step` on
+    (every producer is fenced, as by a rewind). Raises StepUnavailable for a reclaimed step,
+    ValueError for a shape the stream cannot have or a global batch set for a future step.
     """
-    assert state.config is not None
     start = state.head + 1 if from_step is None else from_step
-    lo, hi = LIMITS["world_size"]
-    if type(world_size) is not int or not lo <= world_size <= min(hi, state.config.global_batch):
-        raise ValueError(
-            f"{url}: world size {world_size!r} must be from {lo} to the global batch ({state.config.global_batch})"
-        )
+    batch = state.batch_at(start) if global_batch is None else global_batch
+    (lo, hi), (_, top) = LIMITS["world_size"], LIMITS["global_batch"]
+    if type(world_size) is not int or not lo <= world_size <= hi:
+        raise ValueError(f"{url}: world size {world_size!r} must be from {lo} to {hi}")
+    if type(batch) is not int or not world_size <= batch <= top:
+        raise ValueError(f"{url}: global batch {batch!r} must be from the world size ({world_size}) to {top}")
     if start < state.first_step:
         raise StepUnavailable(f"{url}: cannot reshape from step {start}: steps below {state.first_step} were reclaimed")
-    if state.shapes and state.shapes[-1] == (start, world_size):
+    if batch != state.batch_at(start) and start > state.head + 1:
+        raise ValueError(
+            f"{url}: a new global batch applies from the step after the head ({state.head + 1}) at the latest, "
+            f"not from step {start}"
+        )
+    if state.shapes and state.shapes[-1] == (start, world_size, batch):
         return None
-    return ReshapeRecord(start, world_size, now)
+    return ReshapeRecord(start, world_size, batch, now)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import uuid
 
 __all__ = [
+    "COST_FIELD",
     "HINT_KEY",
     "KEY_FIELD",
     "LATEST_NAME",
@@ -43,6 +44,7 @@ SEGMENTS_PREFIX = "segments/"
 TMP_SUFFIX = ".tmp"
 
 KEY_FIELD = "__key__"  # the sample member that names the sample
+COST_FIELD = "__cost__"  # a sample member that is its cost for rank balancing (not stored)
 STATUS_NAME = "_status.json"  # the mount's status file, at its root
 META_NAME = "_meta.json"  # the mount's index of one rank slice, in its step directory
 LATEST_NAME = "latest"  # the mount's symlink to a rank's newest step

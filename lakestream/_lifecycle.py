@@ -72,15 +72,18 @@ async def reshape(
     store: ObjectStore,
     world_size: int,
     *,
+    global_batch: int | None = None,
     from_step: int | None = None,
     wall: Callable[[], float] = time.time,
 ) -> State:
-    """Read every step from `from_step` (None: the step after the head) as `world_size` ranks.
-
-    Nothing is discarded: steps committed for another world size are re-sliced on read. Returns
-    the new state (unchanged when that shape was already recorded from that step).
-    """
+    """From `from_step` (None: the step after the head) read steps as `world_size` ranks of
+    `global_batch` samples (`_decisions.reshape`). Returns the new state (unchanged when that shape
+    was already recorded from that step)."""
     m = Manifest(store)
     await m.load()
-    await m.append(lambda st, _: decisions.reshape(st, world_size, from_step=from_step, now=wall(), url=store.url))
+    await m.append(
+        lambda st, _: decisions.reshape(
+            st, world_size, global_batch=global_batch, from_step=from_step, now=wall(), url=store.url
+        )
+    )
     return m.state

@@ -100,7 +100,7 @@ async def produce(
         it = source.iterate(source_cursor(start, mapped=map is not None))
         if map is not None:
             it = transform(it, map, start=start, workers=workers, on_error=on_error, stats=mapped)
-        held = await _feed(p, it, p.config.global_batch if drop_last else 1, rate, t0)
+        held = await _feed(p, it, p.global_batch if drop_last else 1, rate, t0)
     return ProduceReport(producer_id, p.epoch, start, time.perf_counter() - t0, p.stats, held, mapped, p.policy_name)
 
 

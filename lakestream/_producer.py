@@ -28,7 +28,7 @@ import orjson
 from . import _decisions as decisions
 from ._batching import assign_ranks
 from ._errors import InvalidSample, ObjectNotFound, ProducerFenced, SegmentLost
-from ._layout import segment_key
+from ._layout import COST_FIELD, segment_key
 from ._manifest import Manifest
 from ._pacing import AttemptOutcome, CommitPolicy, Observation, make_policy
 from ._records import Record, TgbRef
@@ -106,6 +106,7 @@ class Producer:
         self._token = uuid.uuid4().hex
         self._key_prefix = producer_id.replace(".", "_")
         self.epoch = 0
+        self.global_batch = 0  # the most samples a TGB of this incarnation holds (set on registering)
         self.cursor: Any = None  # the source position to resume from (after the last committed sample)
         self.stats = ProducerStats()
         self._next_seq = 0
@@ -156,6 +157,8 @@ class Producer:
             raise ProducerFenced(f"{self.manifest.url}: producer {self.id!r} could not register")
         self.epoch = p.epoch
         self.cursor = p.cursor
+        # A later change of the global batch fences this incarnation, so it holds for its life.
+        self.global_batch = self.manifest.state.batch_at(self.manifest.state.head + 1)
         self._committed_seq = p.seq
         self._next_seq = p.seq + 1
         log.info(
@@ -177,20 +180,29 @@ class Producer:
         dump_json(cursor, f"producer {self.id!r}: cursor {cursor!r:.100}")
         # A default key names the producer too: keys are unique in the whole stream (verify checks).
         default = f"{self._key_prefix}-{self._next_seq:06d}-{len(self._samples):05d}"
+        given = sample.get(COST_FIELD)
+        if given is not None:  # the sample's own cost: used for balancing, not stored
+            sample = {k: v for k, v in sample.items() if k != COST_FIELD}
         enc = encode_sample(sample, default, max_bytes=self.config.max_sample_bytes)
         if enc.key in self._keys:
             raise InvalidSample(f"producer {self.id!r}: sample key {enc.key!r} appears twice in one global batch")
-        cost = None
-        if self._cost is not None:
-            cost = float(self._cost(sample))
+        cost: Any = given if given is not None else self._cost(sample) if self._cost is not None else None
+        if cost is not None:
+            try:
+                cost = float(cost) if not isinstance(cost, bool | str | bytes) else math.nan
+            except (TypeError, ValueError):
+                cost = math.nan
             if not math.isfinite(cost) or cost < 0:
-                raise InvalidSample(f"producer {self.id!r}: cost of sample {enc.key!r} is {cost!r}")
-            self._costs.append(cost)
+                raise InvalidSample(f"producer {self.id!r}: cost of sample {enc.key!r} is not a finite number >= 0")
+            # Samples put before without a cost cost nothing: counts stay balanced to within one anyway.
+            self._costs += [0.0] * (len(self._samples) - len(self._costs)) + [cost]
+        elif self._costs:
+            self._costs.append(0.0)
         self._samples.append(enc)
         self._keys.add(enc.key)
         self._last_cursor = cursor
         self.stats.samples += 1
-        if len(self._samples) >= self.config.global_batch:
+        if len(self._samples) >= self.global_batch:
             await self._seal()
 
     async def flush(self) -> None:

@@ -111,7 +111,7 @@ class Reader:
     async def __aenter__(self) -> Reader:
         state = await self.manifest.load()
         assert state.config is not None
-        worlds = {state.config.world_size} | {w for _, w in state.shapes}
+        worlds = {state.config.world_size} | {w for _, w, _ in state.shapes}
         w = state.world_at(state.head + 1) if self.world_size is None else self.world_size
         if w not in worlds:
             raise ConfigMismatch(

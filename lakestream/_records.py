@@ -150,19 +150,25 @@ class RewindRecord:
 
 @dataclass(frozen=True, slots=True)
 class ReshapeRecord:
-    """From step `from_step` on, every step is read as `world_size` ranks (until a later reshape).
+    """From step `from_step` on, steps are read as `world_size` ranks and hold at most
+    `global_batch` samples (until a later reshape); it replaces every reshape from `from_step` on.
 
     Steps committed with another number of rank slices are re-sliced on read (`_batching.reslice`).
-    A reshape from S replaces every shape that started at S or later.
+    A new global batch also discards the steps from `from_step` on and fences every producer, as a
+    rewind to `from_step - 1` does: TGBs sealed for the old batch are never committed.
     """
 
     from_step: int
     world_size: int
+    global_batch: int
     ts: float = 0.0
     kind: ClassVar[str] = "reshape"
 
     def members(self) -> dict[str, Any]:
-        return {"from_step": self.from_step, "world_size": self.world_size, "ts": self.ts}
+        return {
+            "from_step": self.from_step, "world_size": self.world_size, "global_batch": self.global_batch,
+            "ts": self.ts,
+        }  # fmt: skip
 
 
 Record = (
@@ -273,6 +279,9 @@ def decode_record(data: bytes) -> Record:
     if kind == "reshape":
         lo, hi = LIMITS["world_size"]
         world = f.int("world_size", lo, why=f"reshape: bad world size {r.get('world_size')!r:.40}")
+        batch = f.int("global_batch", lo, why=f"reshape: bad global batch {r.get('global_batch')!r:.40}")
+        f.need(world <= batch <= LIMITS["global_batch"][1], f"reshape: global batch {batch} for world size {world}")
         f.need(world <= hi, f"reshape: world size {world} is above the limit {hi}")
-        return ReshapeRecord(f.int("from_step", why=f"reshape: bad step {r.get('from_step')!r:.40}"), world, f.ts())
+        step = f.int("from_step", why=f"reshape: bad step {r.get('from_step')!r:.40}")
+        return ReshapeRecord(step, world, batch, f.ts())
     raise RecordError(f"unknown record kind {kind!r}")

@@ -161,7 +161,7 @@ class State:
     checkpoints: list[Checkpoint] = field(default_factory=list)  # oldest first
     rewinds: int = 0
     rejected: list[tuple[int, str]] = field(default_factory=list)
-    shapes: list[tuple[int, int]] = field(default_factory=list)  # (from step, world size), rising from step
+    shapes: list[tuple[int, int, int]] = field(default_factory=list)  # (from step, world, batch), rising step
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -175,11 +175,22 @@ class State:
         """The oldest retained checkpoint's step; -1 with no checkpoint (nothing reclaimable)."""
         return self.checkpoints[0].step if self.checkpoints else -1
 
-    def world_at(self, step: int) -> int:
-        """The number of ranks `step` is read as: the newest reshape from `step` or before, else the config's."""
+    def shape_at(self, step: int) -> tuple[int, int]:
+        """(world size, global batch) of `step`: the newest reshape from `step` or before, else the config's."""
         assert self.config is not None
-        i = bisect.bisect_right(self.shapes, (step, 1 << 62))
-        return self.shapes[i - 1][1] if i else self.config.world_size
+        i = bisect.bisect_right(self.shapes, (step, 1 << 62, 0))
+        if not i:
+            return self.config.world_size, self.config.global_batch
+        _, world, batch = self.shapes[i - 1]
+        return world, batch
+
+    def world_at(self, step: int) -> int:
+        """The number of ranks `step` is read as."""
+        return self.shape_at(step)[0]
+
+    def batch_at(self, step: int) -> int:
+        """The most samples `step` may hold."""
+        return self.shape_at(step)[1]
 
     def step(self, n: int) -> Step | None:
         i = n - self.first_step
@@ -242,8 +253,9 @@ class State:
             _need(self.first_step - 1 <= r.to_step <= self.head, f"rewind: step {r.to_step} is not retained")
         elif isinstance(r, ReshapeRecord):
             _need(r.from_step >= self.first_step, f"reshape: step {r.from_step} was reclaimed")
-            _need(r.world_size <= self.config.global_batch,
-                  f"reshape: world size {r.world_size} is above the global batch {self.config.global_batch}")  # fmt: skip
+            if r.global_batch != self.batch_at(r.from_step):
+                _need(r.from_step <= self.head + 1,
+                      f"reshape: a new global batch applies from at most the step after the head ({self.head + 1})")  # fmt: skip
 
     def _validate_commit(self, r: CommitRecord, config: Config) -> None:
         pid = r.producer
@@ -252,21 +264,21 @@ class State:
         assert p is not None
         _need(r.epoch == p.epoch, f"commit {pid}: epoch {r.epoch!r} is fenced by {p.epoch}")
         _need(r.seq == p.seq + 1, f"commit {pid}: seq {r.seq!r} is not the next ({p.seq + 1})")
-        for t in r.tgbs:
+        for i, t in enumerate(r.tgbs):
             # A TGB holds the rank slices of the world size it was sealed for; a step read as
             # another world size is re-sliced on read (`_batching.reslice`).
             _need(len(t.ranks) <= LIMITS["world_size"][1], f"commit {pid}: {len(t.ranks)} rank slices")
             # Slices tile the segment from offset 0 in rank order (as the codec writes them), hold at
             # most a global batch, and have 32-bit checksums: whatever reads them may rely on it.
             end = samples = 0
+            batch = self.batch_at(self.head + 1 + i)
             for rs in t.ranks:
                 offset, length, crc, n = rs
                 _need(offset == end and length < 1 << 62 and crc < 1 << 32,
                       f"commit {pid}: rank slice {list(rs)!r} does not follow the previous one at {end}")  # fmt: skip
                 end += length
                 samples += n
-            _need(0 < samples <= config.global_batch,
-                  f"commit {pid}: a TGB of {samples} samples (global batch {config.global_batch})")  # fmt: skip
+            _need(0 < samples <= batch, f"commit {pid}: a TGB of {samples} samples (global batch {batch})")
 
     def _apply(self, version: int, r: Record) -> None:
         """Apply a record already validated at `version`."""
@@ -313,21 +325,28 @@ class State:
             while len(self.shapes) > 1 and self.shapes[1][0] <= self.first_step:
                 del self.shapes[0]
         elif isinstance(r, RewindRecord):
-            del self.steps[r.to_step + 1 - self.first_step :]
-            self.checkpoints = [c for c in self.checkpoints if c.step <= r.to_step]
-            self.rewinds += 1
-            # Every producer is fenced and resumes from its cursor as of step `to_step`.
-            last: dict[str, Step] = {}
-            for s in self.steps:
-                last[s.producer] = s
-            for pid, p in self.producers.items():
-                newest = last.get(pid)
-                p.epoch += 1
-                p.token = ""
-                p.cursor = newest.cursor if newest else p.base_cursor
-                # Sequence numbers keep rising so that discarded TGBs are never mistaken for new ones.
+            self._discard_after(r.to_step)
         elif isinstance(r, ReshapeRecord):
-            self.shapes = [x for x in self.shapes if x[0] < r.from_step] + [(r.from_step, r.world_size)]
+            new_batch = r.global_batch != self.batch_at(r.from_step)
+            self.shapes = [x for x in self.shapes if x[0] < r.from_step] + [(r.from_step, r.world_size, r.global_batch)]
+            if new_batch:
+                self._discard_after(r.from_step - 1)
+
+    def _discard_after(self, to_step: int) -> None:
+        """Discard the steps after `to_step` and fence every producer (a rewind)."""
+        del self.steps[to_step + 1 - self.first_step :]
+        self.checkpoints = [c for c in self.checkpoints if c.step <= to_step]
+        self.rewinds += 1
+        # Every producer is fenced and resumes from its cursor as of step `to_step`.
+        last: dict[str, Step] = {}
+        for s in self.steps:
+            last[s.producer] = s
+        for pid, p in self.producers.items():
+            newest = last.get(pid)
+            p.epoch += 1
+            p.token = ""
+            p.cursor = newest.cursor if newest else p.base_cursor
+            # Sequence numbers keep rising so that discarded TGBs are never mistaken for new ones.
 
     def copy(self) -> State:
         """An independent copy; O(steps) pointer copies, steps themselves are immutable."""
@@ -433,7 +452,7 @@ class State:
         elif isinstance(r, ReclaimRecord):
             ok = self.first_step == r.below
         elif isinstance(r, ReshapeRecord):
-            ok = bool(self.shapes) and self.shapes[-1] == (r.from_step, r.world_size)
+            ok = bool(self.shapes) and self.shapes[-1] == (r.from_step, r.world_size, r.global_batch)
         else:
             ok = self.head == r.to_step and all(p.token == "" for p in self.producers.values())
         return None if ok else f"the state does not reflect the {r.kind} record at version {v}"
@@ -489,7 +508,9 @@ def _state_from_dict(d: dict[str, Any]) -> State:
     if not isinstance(d["steps"], list):
         raise _bad("steps is not a list")
     last_seq: dict[str, int] = {}
-    last_version, world, batch = 1, LIMITS["world_size"][1], config.global_batch
+    shapes = _shapes_from(d.get("shapes", []))
+    batch_at = State(config=config, shapes=shapes).batch_at
+    last_version, world = 1, LIMITS["world_size"][1]
     for i, raw in enumerate(d["steps"]):
         n = first + i
         if not (isinstance(raw, list) and len(raw) == 9):
@@ -527,8 +548,8 @@ def _state_from_dict(d: dict[str, Any]) -> State:
             end += length
             samples += k
             slices.append(RankSlice(off, length, crc, k))
-        if not 0 < samples <= batch:
-            raise _bad(f"step {n}: {samples} samples (global batch {batch})")
+        if not 0 < samples <= batch_at(n):
+            raise _bad(f"step {n}: {samples} samples (global batch {batch_at(n)})")
         last_seq[pid], last_version = seq, sv
         steps.append(Step(n, sv, segment, pid, epoch, seq, tuple(slices), cursor, ts))
     head = first + len(steps) - 1
@@ -562,15 +583,21 @@ def _state_from_dict(d: dict[str, Any]) -> State:
             raise _bad(f"rejection {raw!r:.200} is not [version, why]")
         rejected.append((raw[0], raw[1]))
 
-    shapes: list[tuple[int, int]] = []
-    raw_shapes = d.get("shapes", [])
+    return State(version, config, first, steps, producers, checkpoints, rewinds, rejected, shapes)
+
+
+def _shapes_from(raw_shapes: Any) -> list[tuple[int, int, int]]:
+    """A snapshot's `shapes`: [[from step, world size, global batch], …], rising from step."""
     if not isinstance(raw_shapes, list):
         raise _bad("shapes is not a list")
-    lo, hi = LIMITS["world_size"]
+    shapes: list[tuple[int, int, int]] = []
     for raw in raw_shapes:
-        if not (isinstance(raw, list) and len(raw) == 2 and _int(raw[0]) and _int(raw[1], lo) and raw[1] <= batch):
-            raise _bad(f"shape {raw!r:.100} is not [from step, world size]")
-        if raw[1] > hi or (shapes and raw[0] <= shapes[-1][0]):
-            raise _bad(f"shape {raw!r:.100} out of order or out of range")
-        shapes.append((raw[0], raw[1]))
-    return State(version, config, first, steps, producers, checkpoints, rewinds, rejected, shapes)
+        if not (isinstance(raw, list) and len(raw) == 3 and all(_int(x) for x in raw)):
+            raise _bad(f"shape {raw!r:.100} is not [from step, world size, global batch]")
+        step, world, batch = raw
+        if not (1 <= world <= LIMITS["world_size"][1] and world <= batch <= LIMITS["global_batch"][1]):
+            raise _bad(f"shape {raw!r:.100}: world size or global batch out of range")
+        if shapes and step <= shapes[-1][0]:
+            raise _bad(f"shape {raw!r:.100} out of order")
+        shapes.append((step, world, batch))
+    return shapes

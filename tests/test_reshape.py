@@ -9,7 +9,7 @@ from typing import Any
 
 import anyio
 import pytest
-from cliutil import describe, run_cli
+from cliutil import describe, run_cli, spawn_cli, wait_until
 from hypothesis import given
 from hypothesis import strategies as st
 from mountutil import MountProc, read_tree
@@ -18,7 +18,14 @@ import lakestream
 from lakestream import _decisions as decisions
 from lakestream._batching import assign_ranks, reslice
 from lakestream._config import Config
-from lakestream._records import CreateRecord, ReshapeRecord, encode_record
+from lakestream._records import (
+    CommitRecord,
+    CreateRecord,
+    RegisterRecord,
+    ReshapeRecord,
+    TgbRef,
+    encode_record,
+)
 from lakestream._state import State
 
 # -- the rule -----------------------------------------------------------------------------------------
@@ -82,27 +89,54 @@ def test_reshape_records_make_a_history_that_world_at_reads_and_snapshots_keep()
     assert decisions.reshape(s, 2, from_step=9, now=3.0) is None  # already in force: nothing to write
     record = decisions.reshape(s, 6, from_step=7, now=3.0)  # replaces every shape from 7 on
     assert record is not None and s.apply(s.version + 1, encode_record(record)) is None
-    assert s.shapes == [(5, 3), (7, 6)] and s.world_at(100) == 6
+    assert s.shapes == [(5, 3, 12), (7, 6, 12)] and s.world_at(100) == 6
     again = State.from_json(s.to_json())
     assert again.shapes == s.shapes and again.to_dict() == s.to_dict()
     assert "shapes" not in fresh_state().to_dict()  # a stream never reshaped keeps its snapshot format
 
 
 @pytest.mark.parametrize(
-    ("world", "why"),
-    [(0, "bad world size"), (13, "above the global batch"), (1 << 17, "above the limit")],
-)
-def test_a_reshape_to_an_impossible_world_is_a_no_op(world: int, why: str) -> None:
+    ("world", "batch", "why"),
+    [(0, 12, "bad world size"), (13, 12, "global batch 12 for world size 13"), (1 << 17, 1 << 17, "above the limit"),
+     (2, 0, "bad global batch"), (2, 1 << 25, "global batch")],
+)  # fmt: skip
+def test_a_reshape_to_an_impossible_shape_is_a_no_op(world: int, batch: int, why: str) -> None:
     s = fresh_state()
-    reason = s.apply(1, encode_record(ReshapeRecord(0, world)))
+    reason = s.apply(1, encode_record(ReshapeRecord(0, world, batch)))
     assert reason is not None and why in reason and s.shapes == []
-    with pytest.raises(ValueError, match="world size"):
-        decisions.reshape(s, world, now=0.0)
+    with pytest.raises(ValueError, match=r"world size|global batch"):
+        decisions.reshape(s, world, global_batch=batch, now=0.0)
+
+
+def test_a_new_global_batch_discards_the_steps_from_its_step_and_fences_producers() -> None:
+    s = fresh_state(2, 8)
+    for version, record in enumerate(
+        [RegisterRecord("a", 1, "t"), *[commit_record("a", 1, seq, 8, 2) for seq in range(5)]], start=1
+    ):
+        assert s.apply(version, encode_record(record)) is None
+    with pytest.raises(ValueError, match="at the latest"):
+        decisions.reshape(s, 2, global_batch=6, from_step=9, now=0.0)  # a future batch change
+    record = decisions.reshape(s, 3, global_batch=6, from_step=3, now=1.0)
+    assert record is not None and s.apply(s.version + 1, encode_record(record)) is None
+    assert s.head == 2 and s.rewinds == 1 and s.producers["a"].epoch == 2 and s.producers["a"].cursor == 3
+    assert s.check_last_record(encode_record(record)) is None
+    assert s.apply(s.version + 1, encode_record(RegisterRecord("a", 3, "u"))) is None
+    too_big = commit_record("a", 3, 5, 8, 2)  # sealed for the old batch: never committed
+    reason = s.apply(s.version + 1, encode_record(too_big))
+    assert reason is not None and "global batch 6" in reason
+    assert s.apply(s.version + 1, encode_record(commit_record("a", 3, 5, 6, 3))) is None
+    assert s.head == 3 and s.batch_at(3) == 6 and s.world_at(3) == 3 and s.batch_at(2) == 8
+
+
+def commit_record(pid: str, epoch: int, seq: int, samples: int, world: int) -> CommitRecord:
+    counts = [len(r) for r in assign_ranks(None, samples, world)]
+    ranks = tuple((10 * i, 10, 0, c) for i, c in enumerate(counts))
+    return CommitRecord(pid, epoch, seq, (TgbRef(f"segments/{pid}/{seq}", ranks, seq + 1),))
 
 
 def test_a_snapshot_with_shapes_out_of_order_is_refused() -> None:
     s = fresh_state()
-    d = s.to_dict() | {"shapes": [[5, 2], [3, 4]]}
+    d = s.to_dict() | {"shapes": [[5, 2, 12], [3, 4, 12]]}
     with pytest.raises(ValueError, match="out of order"):
         from lakestream._state import _state_from_dict
 
@@ -208,3 +242,76 @@ def test_the_mount_serves_the_ranks_of_a_reshaped_stream(tmp_path: Path) -> None
                     assert tree[r, step][f"{key}.bin"] == sample(int(key[1:]))["bin"]
     finally:
         mount.stop()
+
+
+def test_cost_balancing_by_the_cost_field_and_after_a_reshape_that_divides_the_world(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/s"
+    anyio.run(lambda: lakestream.create(url, world_size=4, global_batch=16))
+    costs = [1 + (i * 37) % 100 for i in range(32)]
+
+    async def put_all() -> None:
+        async with lakestream.open_producer(url, "p") as p:
+            for i, c in enumerate(costs):
+                await p.put({"__key__": f"k{i}", "x": b"x", "__cost__": c}, cursor=i + 1)
+
+    anyio.run(put_all)
+    cost_of = {f"k{i}": c for i, c in enumerate(costs)}
+    for world in (4, 2):
+        if world == 2:
+            assert run_cli("reshape", url, "--world-size", "2", "--from-step", "0").returncode == 0
+        for step in range(2):
+            ranks = [anyio.run(read_rank, url, r, world, step, step + 1)[step] for r in range(world)]
+            loads = [sum(cost_of[k] for k in keys) for keys in ranks]
+            biggest = max(cost_of[k] for keys in ranks for k in keys)
+            assert max(loads) - min(loads) <= 2 * biggest  # 4 ranks: LPT; 2 ranks: two balanced slices each
+            assert max(map(len, ranks)) - min(map(len, ranks)) <= 1
+
+    async def fields() -> set[str]:
+        async with lakestream.open_reader(url, 0, 2) as r:
+            return {f for s in (await r.read_step(0)).samples for f in s}
+
+    assert anyio.run(fields) == {"__key__", "x"}  # the cost balanced the ranks; it is not stored
+
+
+def keys_by_step(url: str) -> dict[int, list[str]]:
+    state = anyio.run(lakestream.load_state, url)
+    return {
+        s: [k for r in range(state.world_at(s)) for k in anyio.run(read_rank, url, r, None, s, s + 1)[s]]
+        for s in range(state.first_step, state.head + 1)
+    }
+
+
+@pytest.mark.parametrize("kill", [False, True])
+def test_a_new_global_batch_while_a_producer_runs_is_re_produced_exactly_once(tmp_path: Path, kill: bool) -> None:
+    """A reshape to a new global batch lands while a producer commits: the producer is fenced (or
+    SIGKILLed around it), the run again resumes from its cursor as of the step before, and every
+    sample is in the stream once, the later steps in TGBs of the new size."""
+    url = f"file://{tmp_path}/s"
+    n = 400
+    anyio.run(lambda: lakestream.create(url, world_size=2, global_batch=8))
+    produce = ["produce", url, "--producer-id", "a", "--synthetic", n, "--sample-size", 32, "--rate", 40]
+    proc = spawn_cli(*produce)
+    try:
+        wait_until(lambda: anyio.run(lakestream.load_state, url).head >= 10, what="10 steps")
+        proc_rc = None
+        if kill:
+            proc.kill()
+            proc_rc = proc.wait(30)
+        r = run_cli("reshape", url, "--world-size", "3", "--global-batch", "6", "--from-step", "6")
+        assert r.returncode == 0, describe(r)
+        assert "global batch 6" in r.stdout
+        _, err = proc.communicate(timeout=60)
+        assert (proc_rc if kill else proc.returncode) != 0  # fenced by the reshape, or killed
+        if not kill:
+            assert "fenced" in err.lower(), err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    state = anyio.run(lakestream.load_state, url)
+    assert state.head == 5 and state.producers["a"].cursor == 48
+    run_cli(*produce[:-2], check=True)  # the same command again, at full speed
+    steps = keys_by_step(url)
+    keys = [k for s in sorted(steps) for k in steps[s]]
+    assert sorted(keys) == sorted(f"a-{i:09d}" for i in range(n)) and len(set(keys)) == n
+    assert all(len(steps[s]) == 8 for s in range(6)) and all(len(steps[s]) <= 6 for s in steps if s >= 6)
+    assert run_cli("verify", url).returncode == 0

@@ -514,8 +514,10 @@ def test_an_unsealed_snapshot_is_validated_field_by_field(data: st.DataObject) -
         lambda d: d.__setitem__("rejected", [[9, 1]]),
         lambda d: d.__setitem__("rejected", [[99, "x"]]),
         lambda d: d.__setitem__("rewinds", -1),
-        lambda d: d.__setitem__("shapes", [[5, 2], [3, 1]]),  # reshapes out of order
-        lambda d: d.__setitem__("shapes", [[5, 0]]),
+        lambda d: d.__setitem__("shapes", [[5, 2, 12], [3, 1, 12]]),  # reshapes out of order
+        lambda d: d.__setitem__("shapes", [[5, 0, 12]]),
+        lambda d: d.__setitem__("shapes", [[5, 2]]),
+        lambda d: d.__setitem__("shapes", [[0, 2, 1]]),  # fewer samples than ranks
         lambda d: d.__setitem__("shapes", {"5": 2}),
         lambda d: d.__setitem__("extra", 0),
     ],
