@@ -23,8 +23,7 @@ Three parts, one after the other:
 2. Producing: `lakestream.produce` reads the files (`parquet:` source, `id` as the key) and maps every
    document with `text_transform.pack`: byte-level tokens cut into 512-token sequences (a long
    document gives several, a short one is dropped; see text_transform.py for why packing stays
-   within a document). `cost=text_transform.token_cost` makes each sequence's real tokens its cost,
-   so the producer assigns every step's sequences to ranks balancing tokens rather than counts.
+   within a document). Each sequence's `__cost__` is its real tokens, so the producer assigns every step's sequences to ranks balancing tokens rather than counts.
 3. Reading: each rank reads its slices with `lakestream.open_reader`; the example prints, per step,
    the real tokens every rank got, their spread (largest minus smallest), and the spread dealing the
    same sequences round-robin in put order would have given.
@@ -51,7 +50,7 @@ import numpy as np
 import lakestream
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the map function's module, also in workers
-from text_transform import SEQ_LEN, pack, token_cost
+from text_transform import SEQ_LEN, pack
 
 FILES = 3
 PRODUCER_ID = "text-0"
@@ -113,9 +112,7 @@ async def produce(url: str, docs_dir: Path, world_size: int, global_batch: int, 
         await lakestream.load_state(url)
     except lakestream.StreamNotFound:
         await lakestream.create(url, world_size=world_size, global_batch=global_batch)
-    return await lakestream.produce(
-        url, PRODUCER_ID, f"parquet:{docs_dir}", key_column="id", map=pack, workers=workers, cost=token_cost
-    )
+    return await lakestream.produce(url, PRODUCER_ID, f"parquet:{docs_dir}", key_column="id", map=pack, workers=workers)
 
 
 # -- 3. reading: tokens per rank per step ---------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The map function of examples/text_pipeline.py: byte-level tokenising and packing into fixed-length sequences.
 
-    await lakestream.produce(url, "text-0", "parquet:DIR/docs", key_column="id", map=pack, cost=token_cost)
+    await lakestream.produce(url, "text-0", "parquet:DIR/docs", key_column="id", map=pack)
 
 The tokenizer is byte-level and needs no vocabulary file: a document is BOS, then each byte of its
 UTF-8 text as the token `byte + 3`, then EOS (VOCAB = 259 tokens; PAD = 0). It is exact and
@@ -14,15 +14,14 @@ time, so it cannot pack several documents into one sequence; packing across docu
 stage that holds state between records (in a custom pipeline, see examples/producer_pipeline.py).
 A document of fewer than MIN_TOKENS tokens (blank or a fragment) is dropped: its sequence would be
 mostly padding. Each sequence is `{"__key__": "<doc key>-<chunk:04d>", "tokens": int32 (SEQ_LEN,),
-"n_tokens": int}`, `n_tokens` being its tokens before the padding; `token_cost` gives it to the
-producer as the sample's cost, so every rank's share of a step holds about as many real tokens.
-(`lakestream produce --map examples.text_transform:pack` runs the same map from the repository
-root, but the command line takes no cost function: its ranks get the sequences round-robin.)
+"n_tokens": int, "__cost__": int}`, `n_tokens` being its tokens before the padding; `__cost__` (the
+same number) is the sample's cost for the producer, which balances every rank's share of a step by
+it (so each holds about as many real tokens) and does not store it. `lakestream produce --map
+examples.text_transform:pack` runs the same map, costs included, from the repository root.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -63,10 +62,5 @@ def pack(sample: dict[str, Any]) -> list[dict[str, Any]] | None:
         chunk = tokens[start : start + SEQ_LEN]
         seq = np.full(SEQ_LEN, PAD, dtype=np.int32)
         seq[: len(chunk)] = chunk
-        out.append({"__key__": f"{key}-{i:04d}", "tokens": seq, "n_tokens": len(chunk)})
+        out.append({"__key__": f"{key}-{i:04d}", "tokens": seq, "n_tokens": len(chunk), "__cost__": len(chunk)})
     return out
-
-
-def token_cost(sample: Mapping[str, Any]) -> float:
-    """A sequence's cost for balancing ranks: its real (not padding) tokens."""
-    return float(sample["n_tokens"])
