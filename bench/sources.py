@@ -31,7 +31,8 @@ the file store fsyncs), world size 4, global batch 256, deleted after each run.
                  spawned processes, submitted in order with 4 x workers in flight (what --workers does);
     produce+map  `lakestream.produce(..., map=decode_map, workers=W)`.
 (c) fleet: `lakestream.ray.run_fleet` with 1 and 2 actors on the wds shards, without and with the map
-    (on a local Ray started once, not timed; actor start-up is in the figure).
+    (on a local Ray started once, not timed; actor start-up is in the figure, and a fleet run on 4
+    samples measures it).
 
 Each repetition runs every configuration once, alternating the order of the runs it compares; the
 tables give medians over repetitions of samples/s and MB/s (JPEG bytes read, 10^6 bytes/s), and the
@@ -256,6 +257,17 @@ def mapped(records: Iterator[Sample], fn: Callable[[Sample], Sample], workers: i
             yield pending.popleft().result()
 
 
+def pool_startup(workers: int) -> float:
+    """Seconds from creating a pool of `workers` spawned processes (as `mapped` and --workers do) until
+    each has run a task (each task sleeps 0.2 s, not counted), and the pool has shut down."""
+    ctx = multiprocessing.get_context("spawn")
+    t0 = time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        for f in [pool.submit(time.sleep, 0.2) for _ in range(workers)]:
+            f.result()
+    return time.perf_counter() - t0 - 0.2
+
+
 # -- one run each ---------------------------------------------------------------------------------
 
 
@@ -362,6 +374,10 @@ async def fleet_run(streams: Streams, ds: Dataset, actors: int, with_map: bool) 
 @dataclass
 class Results:
     runs: dict[tuple[Any, ...], list[Run]] = field(default_factory=lambda: collections.defaultdict(list))
+    startup: dict[int, float] = field(default_factory=dict)  # workers: seconds to start a pool of them
+
+    def seconds(self, key: tuple[Any, ...]) -> float:
+        return median([r.seconds for r in self.runs.get(key, [])])
 
     def add(self, key: tuple[Any, ...], run: Run, expected: int) -> Run:
         """Record `run`, which must have read (or committed) every one of the `expected` samples."""
@@ -393,7 +409,14 @@ def progress(text: str) -> None:
 
 
 async def one_repetition(
-    rep: int, a: argparse.Namespace, kinds: list[str], data: Dataset, small: Dataset, streams: Streams, res: Results
+    rep: int,
+    a: argparse.Namespace,
+    kinds: list[str],
+    data: Dataset,
+    small: Dataset,
+    tiny: Dataset,
+    streams: Streams,
+    res: Results,
 ) -> None:
     """Every configuration once; the runs compared with each other in alternating order."""
     flip = rep % 2 == 1
@@ -423,11 +446,16 @@ async def one_repetition(
         t0 = time.perf_counter()
         n = sum(1 for _ in read_hf_datasets(data))
         res.add(("hf-datasets", None, None), Run(time.perf_counter() - t0, n, data.nbytes), data.samples)
+    if rep == 0:
+        for w in a.workers:
+            if w > 0:
+                res.startup[w] = pool_startup(w)
+                progress(f"pool of {w} started in {res.startup[w]:.2f} s")
     for actors in a.fleet:
-        for with_map in (False, True):
-            ds = small if with_map else data
-            r = res.add(("fleet", actors, with_map), await fleet_run(streams, ds, actors, with_map), ds.samples)
-            progress(f"rep {rep + 1} fleet of {actors} {'map' if with_map else 'no map'}: {r.per_s:6.0f} samples/s")
+        for what in ("tiny", "none", "map"):
+            ds = {"tiny": tiny, "none": data, "map": small}[what]
+            r = res.add(("fleet", actors, what), await fleet_run(streams, ds, actors, what == "map"), ds.samples)
+            progress(f"rep {rep + 1} fleet of {actors}, {what}: {r.seconds:.1f} s, {r.per_s:6.0f} samples/s")
 
 
 def hf_status() -> str:
@@ -542,31 +570,45 @@ def report(a: argparse.Namespace, kinds: list[str], data: Dataset, small: Datase
                     f"{res.rate(lib):.0f}",
                     f"{res.rate(prod):.0f}",
                     f"{res.ratio(prod, lib):.2f} ({pct(res.ratio(prod, lib))})",
+                    f"{res.startup[w]:.2f}" if w in res.startup else "-",
                 ]
             )
     print(
         format_table(
-            ["kind", "workers", "library+map samples/s", "produce+map samples/s", "produce / library time"], rows
+            [
+                "kind",
+                "workers",
+                "library+map samples/s",
+                "produce+map samples/s",
+                "produce / library time",
+                "pool start-up s (in both)",
+            ],
+            rows,
         )
     )
     if a.fleet:
         print()
-        print("(c) fleet (lakestream.ray.run_fleet, wds; actor start-up included), beside produce in this process")
+        print("(c) fleet: lakestream.ray.run_fleet on the wds shards (actor start-up included), beside produce in")
+        print("this process; start-up: a fleet run on 4 samples; the last column subtracts it (an estimate)")
         print()
         rows = []
-        for with_map in (False, True):
-            ds = small if with_map else data
-            base = res.rate(("produce", "wds", 0 if with_map else None))
+        for what in ("none", "map"):
+            ds = small if what == "map" else data
+            base = res.rate(("produce", "wds", 0 if what == "map" else None))
             for actors in a.fleet:
-                r = res.rate(("fleet", actors, with_map))
+                r, up = res.rate(("fleet", actors, what)), res.seconds(("fleet", actors, "tiny"))
+                secs = res.seconds(("fleet", actors, what))
                 rows.append(
                     [
-                        "decode_map" if with_map else "none",
+                        "decode_map" if what == "map" else "none",
                         str(ds.samples),
                         str(actors),
+                        f"{secs:.1f}",
                         f"{r:.0f}",
                         f"{base:.0f}",
                         f"{r / base:.2f}",
+                        f"{up:.1f}",
+                        f"{ds.samples / (secs - up):.0f}" if secs > up else "-",
                     ]
                 )
         print(
@@ -575,9 +617,12 @@ def report(a: argparse.Namespace, kinds: list[str], data: Dataset, small: Datase
                     "map",
                     "samples",
                     "actors",
+                    "fleet s",
                     "fleet samples/s",
                     "produce samples/s (1 process, 0 workers)",
                     "fleet / produce",
+                    "start-up s",
+                    "fleet samples/s less start-up",
                 ],
                 rows,
             )
@@ -629,7 +674,8 @@ def plot(a: argparse.Namespace, kinds: list[str], res: Results, path: Path) -> N
         xs = [k + (i - 1.5) * width for k in range(len(kinds))]
         left.bar(xs, [res.rate((what, kind, None)) for kind in kinds], width, color=colours[what], label=label[what])
     left.set_xticks(range(len(kinds)), kinds)
-    left.set_ylabel("samples/s (median)")
+    left.set_yscale("log")
+    left.set_ylabel("samples/s (median, log scale)")
     left.set_title("no map", fontsize=10)
     left.legend(fontsize=7)
     groups = [(kind, w) for kind in kinds for w in a.workers]
@@ -643,7 +689,7 @@ def plot(a: argparse.Namespace, kinds: list[str], res: Results, path: Path) -> N
             x = len(groups) + j
             right.bar(
                 x,
-                res.rate(("fleet", actors, True)),
+                res.rate(("fleet", actors, "map")),
                 0.5,
                 color=colours["fleet"],
                 label="fleet (Ray)" if j == 0 else None,
@@ -666,6 +712,7 @@ async def main_async(a: argparse.Namespace, kinds: list[str], work: Path) -> int
     jpegs = make_jpegs()
     data = make_dataset(work / "data", a.samples, a.shards, jpegs, kinds)
     small = make_dataset(work / "small", a.map_samples, a.map_shards, jpegs, kinds)
+    tiny = make_dataset(work / "tiny", 4, 2, jpegs, ["wds"])  # the fleet's start-up
     progress(f"data made in {time.perf_counter() - t0:.1f} s")
     if with_fleet:
         import logging
@@ -688,7 +735,7 @@ async def main_async(a: argparse.Namespace, kinds: list[str], work: Path) -> int
     res = Results()
     try:
         for rep in range(a.reps):
-            await one_repetition(rep, a, kinds, data, small, streams, res)
+            await one_repetition(rep, a, kinds, data, small, tiny, streams, res)
     finally:
         if with_fleet:
             import ray
@@ -706,20 +753,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer samples, one repetition (< 1 min)")
     ap.add_argument("--smoke", action="store_true", help="every part in seconds, a few dozen samples")
-    ap.add_argument("--samples", type=int, help="samples without a map (default 12000, quick 2000)")
-    ap.add_argument("--map-samples", type=int, help="samples with the map (default 2000, quick 300)")
+    ap.add_argument("--samples", type=int, help="samples without a map (default 10000, quick 2000)")
+    ap.add_argument("--map-samples", type=int, help="samples with the map (default 1500, quick 300)")
     ap.add_argument("--reps", type=int, help="repetitions (default 3, quick 1)")
     ap.add_argument("--workers", nargs="+", type=int, help="map workers (default 0 1 2)")
-    ap.add_argument("--fleet", nargs="*", type=int, help="fleet sizes (default 1 2, smoke 2; none: no fleet)")
+    ap.add_argument("--fleet", nargs="*", type=int, help="fleet sizes (default 1 2, quick and smoke 2; none: no fleet)")
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     ap.add_argument("--plot", help="where to write the plot (full run: docs/sources_throughput.png; else a temp dir)")
     a = ap.parse_args(argv)
     if a.smoke:
         defaults = {"samples": 64, "map_samples": 16, "reps": 1, "workers": [0, 1], "fleet": [2]}
     elif a.quick:
-        defaults = {"samples": 2000, "map_samples": 300, "reps": 1, "workers": [0, 1, 2], "fleet": [1, 2]}
+        defaults = {"samples": 2000, "map_samples": 300, "reps": 1, "workers": [0, 1, 2], "fleet": [2]}
     else:
-        defaults = {"samples": 12000, "map_samples": 2000, "reps": 3, "workers": [0, 1, 2], "fleet": [1, 2]}
+        defaults = {"samples": 10000, "map_samples": 1500, "reps": 3, "workers": [0, 1, 2], "fleet": [1, 2]}
     for name, value in defaults.items():
         if getattr(a, name) is None:
             setattr(a, name, value)
