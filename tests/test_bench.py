@@ -78,5 +78,5 @@ def test_sources_bench_smoke() -> None:
             assert re.search(rf"^\| {kind} +\| +{workers} \| +\d+ \| +\d+ \| +\d+\.\d\d ", out, re.M), (kind, workers)
         assert re.search(rf"^target {kind}: the source adds [+-]\d+\.\d%", out, re.M), (kind, out[-3000:])
     for fleet_map in ("none", "decode_map"):  # a fleet of 2 actors, without and with the map
-        assert re.search(rf"^\| {fleet_map} +\| +\d+ \| +2 \| +\d+ \|", out, re.M), (fleet_map, out[-3000:])
+        assert re.search(rf"^\| {fleet_map} +\| +\d+ \| +2 \| +\d+\.\d \| +\d+ \|", out, re.M), (fleet_map, out[-3000:])
     assert re.search(r"^plot: \S+sources_throughput\.png$", out, re.M), out[-3000:]
