@@ -496,8 +496,9 @@ class ParquetSource(_Sharded):
     and is not stored as a field; without it the key is `<file stem>-<row index>`. Every other
     column is a field, as the Python value pyarrow gives (bytes, str, int, float, bool, None,
     lists and structs of those); other values (timestamps, decimals, NaN) raise InvalidSample
-    naming the file, row and column. The cursor's `sample` counts rows within the file; resuming
-    skips whole row groups before it.
+    naming the file, row and column. Row groups are read one at a time (from S3: ranged GETs of
+    that group's column chunks), so memory holds one row group. The cursor's `sample` counts rows
+    within the file; resuming skips whole row groups before it.
     """
 
     def __init__(self, path: str, shard: tuple[int, int] = (0, 1), key_column: str | None = None) -> None:
@@ -545,13 +546,14 @@ class ParquetSource(_Sharded):
             if not groups:
                 return
             stem = Path(f.name).name.removesuffix(".parquet")
-            for batch in pf.iter_batches(row_groups=groups):
-                for values in batch.to_pylist():
-                    if row < skip:
+            for g in groups:  # a row group at a time: what is read (in S3: fetched) and held is one row group
+                for batch in pf.read_row_group(g).to_batches(max_chunksize=256):
+                    for values in batch.to_pylist():
+                        if row < skip:
+                            row += 1
+                            continue
+                        yield _row_sample(values, f"{stem}-{row:09d}", self.key_column, f"{where} row {row}")
                         row += 1
-                        continue
-                    yield _row_sample(values, f"{stem}-{row:09d}", self.key_column, f"{where} row {row}")
-                    row += 1
 
 
 def _row_sample(values: dict[str, Any], key: str, key_column: str | None, where: str) -> dict[str, Any]:
