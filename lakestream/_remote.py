@@ -42,14 +42,10 @@ try:
 except ImportError:  # pragma: no cover - depends on the environment
     _BOTOCORE = False
 
-__all__ = ["ObjectReader", "RemoteObject", "S3Objects", "is_s3", "split_s3"]
+__all__ = ["ObjectReader", "RemoteObject", "S3Objects", "split_s3"]
 
 T = TypeVar("T")
 log = logging.getLogger("lakestream.sources")
-
-
-def is_s3(path: str) -> bool:
-    return path.startswith("s3://")
 
 
 def split_s3(url: str) -> tuple[str, str]:

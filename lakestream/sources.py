@@ -45,11 +45,13 @@ import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, cast
 
 from ._errors import ConfigMismatch, InvalidSample
-from ._remote import RemoteObject, S3Objects, is_s3, split_s3
 from ._sources import describe_cursor, dir_source
+
+if TYPE_CHECKING:  # botocore is imported only for a source in S3: it takes a second to import
+    from ._remote import RemoteObject, S3Objects
 
 __all__ = [
     "HF_BLOCK_ROWS",
@@ -217,6 +219,8 @@ def _match_s3(what: str, pattern: str) -> tuple[list[_File], S3Objects]:
     """The objects `s3://BUCKET/PATTERN` names (globs and braces in the key), sorted by key, and the bucket.
 
     One listing under the literal prefix all expansions share; a key without glob characters must exist."""
+    from ._remote import S3Objects, split_s3
+
     parsed = [split_s3(p) for p in expand_braces(pattern)]
     buckets = {b for b, _ in parsed}
     bucket = parsed[0][0]
@@ -243,6 +247,8 @@ def _match_s3(what: str, pattern: str) -> tuple[list[_File], S3Objects]:
 
 def _list_s3_parquet(what: str, url: str) -> tuple[list[_File], S3Objects]:
     """The object `url` names, else the `.parquet` objects under it as a directory, sorted by key."""
+    from ._remote import S3Objects, split_s3
+
     bucket, key = split_s3(url)
     remote = S3Objects(bucket)
     if key and not key.endswith("/") and (o := remote.head(key)) is not None:
@@ -320,6 +326,8 @@ class _Sharded:
         each read after a seek one ranged GET, for random access; else one streamed GET body)."""
         if self.remote is None:
             return open(f.path, "rb")
+        from ._remote import RemoteObject, split_s3
+
         bucket, key = split_s3(f.path)
         assert bucket == self.remote.bucket and f.etag is not None
         return cast(BinaryIO, self.remote.open(RemoteObject(key, f.size, f.etag, f.mtime_ns), ranged=ranged))
@@ -399,7 +407,7 @@ class WdsSource(_Sharded):
 
     def __init__(self, pattern: str, shard: tuple[int, int] = (0, 1)) -> None:
         self.what = f"wds:{pattern}"
-        if is_s3(pattern):
+        if pattern.startswith("s3://"):
             files, self.remote = _match_s3(self.what, pattern)
             self.share = _share(files, shard)
             self.fp = _fingerprint(self.share)
@@ -505,7 +513,7 @@ class ParquetSource(_Sharded):
         self.what = f"parquet:{path}"
         self.key_column = key_column
         root = Path(path)
-        if is_s3(path):
+        if path.startswith("s3://"):
             files, self.remote = _list_s3_parquet(self.what, path)
         elif "://" in path:
             raise ValueError(f"{self.what}: only local paths and s3:// URLs are read")
@@ -722,11 +730,11 @@ class HfSource(_Sharded):
         return cursor
 
     def _changed(self, cursor: dict[str, Any], names: list[str]) -> str:
-        rows, name = cursor.get("rows"), str(cursor["shard"])
+        rows, name, files = cursor.get("rows"), str(cursor["shard"]), cursor.get("files")
         if isinstance(rows, int) and rows != self.rows:
             return f"the split {self.split!r} now has {self.rows} rows, not {rows}"
-        if name not in names:
-            return f"{name!r} (the rows being read) is no longer in this producer's share"
+        if name not in names or files != len(names):
+            return f"the share's row ranges differ ({name!r} was being read), as they do with another --shard"
         return "an arrow file of the split was rewritten (its size or modification time changed)"
 
     def _samples(self, f: _File, skip: int) -> Iterator[dict[str, Any]]:

@@ -181,6 +181,8 @@ def test_a_changed_dataset_is_refused_naming_the_change(tmp_path: Path) -> None:
         assert what in r.stderr and "committed cursor" in r.stderr, describe(r)
         assert len(r.stderr.strip().splitlines()) == 1 and status(url)["head_step"] == head, describe(r)
 
+    r = run_cli(*command[:-1], "1/3", check=False)
+    assert "the share's row ranges differ ('data-00002-of-00003.arrow[0:6]' was being read)" in r.stderr, describe(r)
     make_hf(tmp_path / "ds", {"train": 24})  # saved again, with more rows
     refused("the split 'train' now has 24 rows, not 20")
     make_hf(tmp_path / "ds", {"train": 20}, seed=1)  # as many rows, other values
