@@ -1,20 +1,24 @@
-"""Sources with exact, resumable cursors: WebDataset tar shards, Parquet files, a directory of files.
+"""Sources with exact, resumable cursors: WebDataset tar shards, Parquet files, Hugging Face datasets, a
+directory of files.
 
-    src = open_source("wds:/data/train-{000..127}.tar", shard=(0, 4))
+    src = open_source("wds:s3://bucket/train-{000..127}.tar", shard=(0, 4))
     for sample, cursor in src.iterate(producer.cursor):
         await producer.put(sample, cursor=cursor)
 
-`open_source(spec)` takes `wds:PATTERN`, `parquet:PATH` or `dir:PATH` (the CLI's `--from-dir`). A
-sample is a dict with `__key__` and its fields; the cursor after it is JSON and pins the position
-exactly, so a producer started again with the committed cursor continues with the next sample.
+`open_source(spec)` takes `wds:PATTERN`, `parquet:PATH`, `hf:PATH` or `dir:PATH` (the CLI's
+`--from-dir`); `wds:` and `parquet:` also read `s3://BUCKET/...` (see `_remote`). A sample is a dict
+with `__key__` and its fields; the cursor after it is JSON and pins the position exactly, so a
+producer started again with the committed cursor continues with the next sample. docs/sources.md
+describes every kind and the cursor formats exactly.
 
-Sharded sources (`wds:`, `parquet:`) list their files sorted by path; `shard=(i, n)` takes files
-i, i+n, i+2n, ... of that list (this producer's *share*). Their cursor is
+Sharded sources (`wds:`, `parquet:`, `hf:`) list their files sorted by path; `shard=(i, n)` takes
+files i, i+n, i+2n, ... of that list (this producer's *share*; for `hf:` the units are row ranges,
+see HfSource). Their cursor is
 `{"shard": NAME, "index": I, "sample": S, "files": F, "fp": H}`: S samples of file NAME (the I-th
 file of the share) were consumed, the share had F files, and H is the SHA-256 over the share's
-names, sizes and modification times. Resuming with a cursor whose fingerprint does not match the
-share as it is now raises ConfigMismatch naming the change (files added or removed, a file
-rewritten), never duplicating or skipping samples silently.
+names, sizes and modification times (S3: ETags). Resuming with a cursor whose fingerprint does not
+match the share as it is now raises ConfigMismatch naming the change (files added or removed, a
+file rewritten), never duplicating or skipping samples silently.
 
 Epochs and shuffling (`epochs=E`, `shuffle_seed=S`, sharded sources only): the share is read E
 times. Epoch e (0-based) visits the share's files in the order `random.Random(f"{S}:{e}")`
