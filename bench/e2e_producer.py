@@ -37,7 +37,9 @@ def run_lakestream(a: argparse.Namespace) -> dict[str, Any]:
     import lakestream
 
     async def main() -> Any:
-        return await lakestream.produce(a.target, a.id, f"wds:{a.shards}/*.tar", map=train_transform, workers=0)
+        return await lakestream.produce(
+            a.target, a.id, f"wds:{a.shards}/*.tar", map=train_transform, workers=0, rate=a.rate
+        )
 
     report = anyio.run(main)
     return {"samples": report.stats.samples if hasattr(report.stats, "samples") else TRANSFORM_CPU[1],
@@ -85,7 +87,10 @@ def run_nats(a: argparse.Namespace) -> dict[str, Any]:
 
         pending: asyncio.Task[None] | None = None
         published = 0
+        t0 = time.perf_counter()
         while True:
+            if a.rate > 0 and (ahead := t0 + published / a.rate - time.perf_counter()) > 0:
+                await asyncio.sleep(ahead)
             samples, after = await asyncio.to_thread(next_batch)
             if pending is not None:
                 await pending
@@ -108,6 +113,7 @@ def main() -> None:
     ap.add_argument("--shards", required=True, help="directory holding this producer's tar shards")
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--batch", type=int, default=16, help="samples per rank per step (nats)")
+    ap.add_argument("--rate", type=float, default=0.0, help="samples per second at most (0: no limit)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if a.mode == "lakestream":  # imports are not the data plane's cost
