@@ -94,13 +94,16 @@ def run_fleet(
     shuffle_seed: int | None = None,
     max_restarts: int = -1,
     ray_address: str | None = None,
+    metrics_port: int | None = None,
+    metrics_addr: str = "127.0.0.1",
 ) -> FleetReport:
     """Run `producers` producer actors on Ray until every one has finished its share of `source`.
 
     The actors run on the cluster at `ray_address`, else at `RAY_ADDRESS`, else on a local cluster
     started for the run and shut down after it (when this process is already connected to Ray,
     that connection is used). The stream must exist. Each actor asks for `0.5 + workers_per_producer`
-    CPUs. `max_restarts` bounds the restarts of each actor (-1: no limit).
+    CPUs. `max_restarts` bounds the restarts of each actor (-1: no limit). With `metrics_port`,
+    actor i serves its Prometheus metrics at `metrics_addr:metrics_port + i` on its node.
 
     A producer that fails for good (a bad source, a map error with `on_error="fail"`, a
     ConfigMismatch, restarts exhausted) is listed in `FleetReport.failed` with its reason; the others
@@ -124,10 +127,12 @@ def run_fleet(
 
     ids = [f"{name}-{i}" for i in range(producers)]
     before = anyio.run(lakestream.load_state, url)  # StreamNotFound before anything starts
-    options = {
+    options: dict[str, Any] = {
         "map": map, "workers": workers_per_producer, "on_error": on_error, "key_column": key_column,
         "split": split, "epochs": epochs, "shuffle_seed": shuffle_seed,
     }  # fmt: skip
+    if metrics_port is not None:  # taken out of the options by each actor (`_ProducerActor.run`)
+        options["metrics"] = (metrics_port, metrics_addr)
     t0 = time.perf_counter()
     with _connected(ray_address, cpus=producers * _cpus(workers_per_producer)):
         outcomes, incarnations = _run_actors(url, source, ids, options, workers_per_producer, max_restarts)
@@ -190,7 +195,12 @@ class _connected:
         try:
             ray.init(address=address, **quiet)
         except (ConnectionError, TimeoutError) as e:
-            raise OSError(f"cannot connect to the Ray cluster at {address}: {e}") from e
+            hint = (
+                ""
+                if "RAY_AUTH_MODE" in os.environ
+                else " (a cluster with token authentication needs RAY_AUTH_MODE=token)"
+            )
+            raise OSError(f"cannot connect to the Ray cluster at {address}: {e}{hint}") from e
         log.info("connected to Ray at %s", address)
         self.started = True
 
@@ -318,11 +328,16 @@ class _ProducerActor:
         """Produce this actor's share to the end (resuming from its committed cursor); the outcome: the keys
         skipped, or why it failed."""
         import lakestream
+        import lakestream.metrics
+
+        serve = options.pop("metrics", None)
 
         async def produce() -> lakestream.ProduceReport:
             return await lakestream.produce(url, producer_id, source, shard=shard, **options)
 
         try:
+            if serve is not None:  # one endpoint per actor: PORT + its index
+                lakestream.metrics.serve(serve[0] + shard[0], serve[1])
             report = anyio.run(produce)
         except (Exception, BaseExceptionGroup) as e:  # reported by the driver, one line
             return {"error": _reason(e)}

@@ -130,6 +130,11 @@ def test_without_an_address_the_command_starts_a_local_cluster(setup: dict[str, 
     assert sorted(status(setup["url"])["producers"]) == ["fleet-0", "fleet-1", "fleet-2"]
 
 
+def head(url: str) -> int:
+    """The stream's head step, read in this process (lighter than `lakestream status` polled)."""
+    return anyio.run(lakestream.load_state, url).head
+
+
 def _producer_actor_pids() -> list[int]:
     """Processes running a producer actor's task (Ray titles them `ray::_ProducerActor.run`)."""
     pids = []
@@ -142,22 +147,28 @@ def _producer_actor_pids() -> list[int]:
     return pids
 
 
+def kill_an_actor_mid_run(proc: subprocess.Popen[str], url: str, after_step: int) -> tuple[str, str]:
+    """Once step `after_step` is committed, SIGKILL a producer actor's process of the running fleet `proc`;
+    the fleet's output once it has ended."""
+    with proc:
+        try:
+            wait_until(lambda: head(url) >= after_step, timeout=120, what=f"step {after_step}")
+            victim = wait_until(_producer_actor_pids, timeout=30, what="a producer actor's process")[0]
+            assert proc.poll() is None, "the fleet ended before an actor could be killed"
+            os.kill(victim, signal.SIGKILL)
+            return proc.communicate(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
 def test_an_actor_killed_mid_run_is_restarted_and_every_sample_lands_once(
     setup: dict[str, Any], ray_address: str
 ) -> None:
     url = setup["url"]
     proc = spawn_cli("fleet", url, "--source", setup["spec"], "--producers", 3, "--map", "slow:fn", "--json",
                      "--ray-address", ray_address, env=setup["env"])  # fmt: skip
-    try:
-        wait_until(lambda: status(url)["head_step"] >= 6, timeout=90, what="7 committed steps")
-        victim = wait_until(_producer_actor_pids, timeout=30, what="a producer actor's process")[0]
-        assert proc.poll() is None, "the fleet ended before an actor could be killed"
-        os.kill(victim, signal.SIGKILL)
-        out, err = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    out, err = kill_an_actor_mid_run(proc, url, after_step=6)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err}"
     s = json.loads(out.splitlines()[-1])
     assert s["restarts"] == 1 and s["ok"], s
@@ -227,3 +238,17 @@ def test_what_is_refused_before_anything_starts(tmp_path: Path) -> None:
     anyio.run(lambda: lakestream.create(url, world_size=1, global_batch=2))
     r = run_cli("fleet", url, "--source", "wds:x", "--producers", 0, check=False)
     assert r.stderr.strip().splitlines() == ["lakestream fleet: error: --producers 0: expected at least 1"], describe(r)
+
+
+def test_an_actor_dead_with_no_restart_left_fails_its_producer(setup: dict[str, Any], ray_address: str) -> None:
+    """--max-restarts 0: the killed producer fails for good, the others finish; a rerun completes the stream."""
+    url = setup["url"]
+    base = ["--source", setup["spec"], "--producers", 2, "--map", "slow:fn", "--ray-address", ray_address]
+    proc = spawn_cli("fleet", url, *base, "--max-restarts", 0, env=setup["env"])
+    out, err = kill_an_actor_mid_run(proc, url, after_step=2)
+    assert proc.returncode == 1, f"exit {proc.returncode}\n{out}\n{err}"
+    reason = [line for line in err.splitlines() if line.startswith("lakestream fleet: error: ")]
+    assert len(reason) == 1 and "its actor died for good (no restart allowed)" in reason[0], err
+    assert verified(url)["samples"] < 180
+    r = fleet(url, *base, "--json", env=setup["env"])
+    assert summary(r)["ok"] and set(read_values(url, 2)) == ALL_KEYS, describe(r)
