@@ -22,14 +22,16 @@ record first (the segments below the watermark), then writes.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec
 
 import orjson
 
 from . import _decisions as decisions
+from . import metrics
 from ._errors import CorruptData, ObjectNotFound, StoreFull
 from ._layout import (
     HINT_KEY,
@@ -216,6 +218,22 @@ async def _snapshot_times(store: ObjectStore, versions: Sequence[int], now: floa
     return times
 
 
+P = ParamSpec("P")
+
+
+def _counted(fn: Callable[P, Awaitable[GcReport]]) -> Callable[P, Coroutine[Any, Any, GcReport]]:
+    """`fn`, with each report it returns counted in the GC metrics."""
+
+    @functools.wraps(fn)
+    async def run(*args: P.args, **kwargs: P.kwargs) -> GcReport:
+        report = await fn(*args, **kwargs)
+        metrics.gc_done(report)
+        return report
+
+    return run
+
+
+@_counted
 async def gc(
     store: ObjectStore,
     *,

@@ -17,11 +17,12 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from . import metrics
 from ._batching import reslice
 from ._errors import ConfigMismatch, CorruptData, ObjectNotFound, StepUnavailable
 from ._manifest import Manifest
 from ._retry import retry
-from ._segment import FieldRef, check_slice, decode_slice, index_slice
+from ._segment import ChecksumMismatch, FieldRef, check_slice, decode_slice, index_slice
 from ._state import State, Step
 from ._store import ObjectStore
 from ._tasks import cancel_task_group, enter_task_group
@@ -99,6 +100,7 @@ class Reader:
         self._fetches: dict[tuple[int, int, int], _Fetch] = {}  # see _key
         self._inflight_bytes = 0
         self._tg: anyio.abc.TaskGroup | None = None
+        self._metrics = metrics.reader(self)
 
     @property
     def state(self) -> State:
@@ -204,11 +206,13 @@ class Reader:
                 )
 
         while stop is None or step < stop:
+            asked = time.perf_counter()  # the consumer waits from here until the yield: its stall
             entry = await self.wait_for_step(step, check=check)
             check()
             self._prefetch_after(step, stop)
             batch = await self.read_step(step)
             last = entry
+            self._metrics.stalled(time.perf_counter() - asked)
             yield batch
             step += 1
 
@@ -284,9 +288,13 @@ class Reader:
         for i, lo, hi in self.plan(entry, self.rank):
             data = await self._get_slice(entry, i)
             r, where = entry.ranks[i], self._where(entry, i)
-            got = await anyio.to_thread.run_sync(
-                lambda: decode_slice(data, r.crc32 if self.verify else None, where, raw=self.raw)
-            )
+            try:
+                got = await anyio.to_thread.run_sync(
+                    lambda: decode_slice(data, r.crc32 if self.verify else None, where, raw=self.raw)
+                )
+            except ChecksumMismatch:
+                self._metrics.checksum_failed()
+                raise
             if len(got) != r.samples:  # what re-slicing counts on; the checksum covers the bytes, not the manifest
                 raise CorruptData(f"{where}: the slice holds {len(got)} samples, the manifest says {r.samples}")
             samples += got[lo:hi] if (lo, hi) != (0, len(got)) else got
@@ -331,7 +339,11 @@ class Reader:
                 check_slice(data, entry.ranks[rank].crc32, where)
             return index_slice(data, where)
 
-        return RawSlice(entry, rank, data, await anyio.to_thread.run_sync(check))
+        try:
+            return RawSlice(entry, rank, data, await anyio.to_thread.run_sync(check))
+        except ChecksumMismatch:
+            self._metrics.checksum_failed()
+            raise
 
     def _where(self, entry: Step, rank: int) -> str:  # `rank`: the stored slice
         return f"{self.url} step {entry.step} rank {rank} object {entry.segment}"
@@ -356,6 +368,7 @@ class Reader:
             )
         self.requests += 1
         self.bytes_fetched += len(data)
+        self._metrics.fetched(len(data))
         return data
 
 

@@ -90,6 +90,7 @@ async def retry(
     sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
     rng: RandomSource | None = None,
     warn_every: float = WARN_EVERY,
+    on_error: Callable[[Exception], None] | None = None,
 ) -> T:
     """`await call()`, again after a transient failure, waiting `backoff.delay(n)` after the n-th.
 
@@ -100,7 +101,8 @@ async def retry(
     failed or the next wait would end more than `timeout` seconds after the first call. With
     `attempts=None` (producers, readers, the mount: a store outage must never stop them for good)
     it retries for as long as it takes (or `timeout`), logging a warning at most every
-    `warn_every` seconds. Blocks in `call` and in `sleep`.
+    `warn_every` seconds. `on_error(e)` is told of every failed call (metrics count them).
+    Blocks in `call` and in `sleep`.
     """
     if attempts is not None and attempts < 1:
         raise ValueError(f"retry: attempts must be at least 1 or None, got {attempts}")
@@ -113,6 +115,8 @@ async def retry(
             return await call()
         except Exception as e:
             n += 1
+            if on_error is not None:
+                on_error(e)
             if not is_transient(e) or (attempts is not None and n >= attempts):
                 raise
             wait = backoff.delay(n, rng)

@@ -27,6 +27,7 @@ from ._errors import CorruptData, InvalidSample
 from ._layout import KEY_FIELD, RESERVED_KEYS
 
 __all__ = [
+    "ChecksumMismatch",
     "EncodedSample",
     "FieldRef",
     "decode_slice",
@@ -175,11 +176,15 @@ def encode_segment(ranks: list[list[EncodedSample]]) -> tuple[bytes, list[list[i
     return b"".join(parts), slices
 
 
+class ChecksumMismatch(CorruptData):
+    """A slice's bytes do not have the CRC-32 its commit record holds (a CorruptData)."""
+
+
 def check_slice(data: bytes | memoryview, crc32: int, where: str) -> None:
-    """Raise CorruptData (naming `where`) unless `data` has the expected CRC-32."""
+    """Raise ChecksumMismatch (naming `where`) unless `data` has the expected CRC-32."""
     got = zlib.crc32(data)
     if got != crc32:
-        raise CorruptData(f"{where}: checksum mismatch (crc32 {got:#010x}, expected {crc32:#010x})")
+        raise ChecksumMismatch(f"{where}: checksum mismatch (crc32 {got:#010x}, expected {crc32:#010x})")
 
 
 TAGS = frozenset("bsnj")

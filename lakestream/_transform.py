@@ -50,6 +50,7 @@ class MapStats:
     outputs: int = 0  # samples yielded
     dropped: int = 0  # records the function mapped to None or []
     skipped: list[str] = field(default_factory=list)  # keys of the records whose function call failed
+    seconds: float = 0.0  # spent in the function, summed over the worker processes
 
 
 def load_function(spec: str) -> MapFunction:
@@ -136,22 +137,30 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _call_in_worker(sample: Sample) -> Any:
+def _call_in_worker(sample: Sample) -> tuple[Any, float]:
+    """The function's result, and the seconds it took."""
     assert _worker_fn is not None
-    return _worker_fn(sample)
+    started = time.perf_counter()
+    return _worker_fn(sample), time.perf_counter() - started
 
 
 def _results(
-    records: Iterator[tuple[Sample, Any]], spec: str | MapFunction, workers: int
+    records: Iterator[tuple[Sample, Any]], spec: str | MapFunction, workers: int, stats: MapStats
 ) -> Iterator[tuple[Sample, Any, Any, BaseException | None]]:
-    """(record, cursor after it, result, exception) in source order."""
+    """(record, cursor after it, result, exception) in source order; the function's time goes to `stats`."""
     if workers <= 0:
         fn = load_function(spec) if isinstance(spec, str) else spec
+        clock = time.perf_counter
         for sample, cursor in records:
+            started = clock()
             try:
-                yield sample, cursor, fn(sample), None
+                result = fn(sample)
             except Exception as e:
+                stats.seconds += clock() - started
                 yield sample, cursor, None, e
+                continue
+            stats.seconds += clock() - started
+            yield sample, cursor, result, None
         return
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that runs threads
     with concurrent.futures.ProcessPoolExecutor(
@@ -163,19 +172,21 @@ def _results(
             for sample, cursor in records:
                 pending.append((sample, cursor, pool.submit(_call_in_worker, sample)))
                 while len(pending) >= limit:
-                    yield _settle(*pending.popleft())
+                    yield _settle(*pending.popleft(), stats)
             while pending:
-                yield _settle(*pending.popleft())
+                yield _settle(*pending.popleft(), stats)
         finally:
             for *_, fut in pending:
                 fut.cancel()
 
 
 def _settle(
-    sample: Sample, cursor: Any, fut: concurrent.futures.Future[Any]
+    sample: Sample, cursor: Any, fut: concurrent.futures.Future[Any], stats: MapStats
 ) -> tuple[Sample, Any, Any, BaseException | None]:
     try:
-        return sample, cursor, fut.result(), None
+        result, seconds = fut.result()
+        stats.seconds += seconds
+        return sample, cursor, result, None
     except concurrent.futures.process.BrokenProcessPool:
         raise
     except Exception as e:
@@ -203,7 +214,7 @@ def transform(
     st = stats if stats is not None else MapStats()
     before = source_cursor(start, True)
     skip = int(start["skip"]) if is_sub_cursor(start) else 0
-    for record, after, result, error in _results(records, spec, workers):
+    for record, after, result, error in _results(records, spec, workers, st):
         st.records += 1
         where = _where(record, after)
         if error is not None:

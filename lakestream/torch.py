@@ -180,7 +180,9 @@ async def _owned_steps(reader: lakestream.Reader, start: int, stop: int | None, 
     last: tuple[int, int] | None = None  # (step, version) of the last step yielded
     step = start
     while stop is None or step < stop:
+        asked = time.perf_counter()  # the consumer's stall, as `Reader.steps` measures it
         batch = await reader.read_step(step)
+        reader._metrics.stalled(time.perf_counter() - asked)
         state = reader.state
         if state.rewinds != rewinds and last is not None:
             entry = state.step(last[0])
