@@ -24,6 +24,6 @@ say "upgrading pip in .venv..."
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 say "installing torch 2.13.0 (a few minutes on a fresh machine; quiet unless it fails)..."
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-say "installing lakestream with its extras s3, mount, torch, sources, hf, ray, examples, bench, dev (a few minutes on a fresh machine)..."
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[s3,mount,torch,sources,hf,ray,examples,bench,dev]"
+say "installing lakestream with its extras s3, mount, torch, sources, hf, ray, examples, metrics, bench, dev (a few minutes on a fresh machine)..."
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[s3,mount,torch,sources,hf,ray,examples,metrics,bench,dev]"
 say "done: $(.venv/bin/lakestream --version) in .venv (try: .venv/bin/lakestream demo)"
