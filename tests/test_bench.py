@@ -80,3 +80,14 @@ def test_sources_bench_smoke() -> None:
     for fleet_map in ("none", "decode_map"):  # a fleet of 2 actors, without and with the map
         assert re.search(rf"^\| {fleet_map} +\| +\d+ \| +2 \| +\d+\.\d \| +\d+ \|", out, re.M), (fleet_map, out[-3000:])
     assert re.search(r"^plot: \S+sources_throughput\.png$", out, re.M), out[-3000:]
+
+
+def test_metrics_bench_smoke() -> None:
+    out = run_bench("metrics.py")
+    for store in ("file://", "memory"):  # a row per store and path: off, on, the cost
+        for path in ("ingest", "read"):
+            row = rf"^\| {store} +\| {path} \(\w+/s\) +\| +[\d,]+ \| +[\d,]+ \| +[+-]\d+\.\d% \|"
+            assert re.search(row, out, re.M), (store, path, out[-3000:])
+    assert re.search(r"^\| committed \(per TGB\) +\| +\d+\.\d\d \|$", out, re.M), out[-3000:]
+    assert re.search(r"^recording per TGB: [\d.]+ µs", out, re.M), out[-3000:]
+    assert re.search(r"^target metrics cost < 3% of ingest and read throughput \(medians\): (met|NOT met)$", out, re.M)
