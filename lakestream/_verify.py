@@ -8,6 +8,7 @@ log (which no reader ever applies, so they are reported rather than silently ign
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -100,8 +101,11 @@ async def _check_log_tail(store: ObjectStore, state: State, report: VerifyReport
         )
 
 
-async def verify_state(store: ObjectStore, state: State, *, concurrency: int = 16) -> VerifyReport:
-    """Check the manifest's invariants and read back every retained segment."""
+async def verify_state(
+    store: ObjectStore, state: State, *, concurrency: int = 16, progress: Callable[[str, int, int], None] | None = None
+) -> VerifyReport:
+    """Check the manifest's invariants and read back every retained segment; `progress(what, done,
+    total)` is called as segments are checked (the CLI draws a bar with it)."""
     report = VerifyReport(store.url, state.version, state.first_step, state.head, len(state.steps))
     for version, why in state.rejected:
         report.problems.append(
@@ -129,9 +133,15 @@ async def verify_state(store: ObjectStore, state: State, *, concurrency: int = 1
     keys: dict[str, tuple[int, int]] = {}
     unique = [s for s in state.steps if segments[s.segment] == s.step]
 
+    checked = 0
+
     async def one(s: Step) -> None:
+        nonlocal checked
         async with limiter:
             await _check_step(store, store.url, s, report, keys)
+        checked += 1
+        if progress is not None:
+            progress("segments checked", checked, len(unique))
 
     async with task_group() as tg:
         for s in unique:
