@@ -45,6 +45,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 __all__ = ["ObjectReader", "RemoteObject", "S3Objects", "split_s3"]
 
 T = TypeVar("T")
+STREAM_BUFFER = 1 << 20  # bytes read from a streamed GET body at a time
 log = logging.getLogger("lakestream.sources")
 
 
@@ -83,7 +84,7 @@ class S3Objects:
         )
         self.client: Any = session.create_client("s3", region_name=region, config=config)
         self.endpoint_url: str = self.client.meta.endpoint_url
-        self.requests = 0  # requests sent, retries included
+        self.requests = 0  # HTTP requests sent, retries included
 
     def where(self, key: str | None = None) -> str:
         return f"s3://{self.bucket}/{key}" if key is not None else f"bucket {self.bucket!r} at {self.endpoint_url}"
@@ -120,7 +121,6 @@ class S3Objects:
         warned = -math.inf
         while True:
             try:
-                self.requests += 1
                 return attempt()
             except (ClientError, BotoCoreError) as e:
                 if not _retryable(e):
@@ -132,6 +132,10 @@ class S3Objects:
                     log.warning("source %s unavailable, still retrying %s (attempt %d): %s", self.where(), op, n, e)
             time.sleep(S3_BACKOFF.delay(n))
 
+    def _request(self, method: Callable[..., T], **params: Any) -> T:
+        self.requests += 1
+        return method(**params)
+
     def list(self, prefix: str) -> list[RemoteObject]:
         """Every object whose key starts with `prefix` (no "directory" markers), sorted by key."""
         found: list[RemoteObject] = []
@@ -140,7 +144,7 @@ class S3Objects:
             params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
             if token:
                 params["ContinuationToken"] = token
-            page = self.call("list", None, lambda: self.client.list_objects_v2(**params))
+            page = self.call("list", None, lambda: self._request(self.client.list_objects_v2, **params))
             for o in page.get("Contents", ()):
                 if not str(o["Key"]).endswith("/"):
                     found.append(_object(o))
@@ -151,15 +155,18 @@ class S3Objects:
     def head(self, key: str) -> RemoteObject | None:
         """The object `key`, or None if there is none."""
         try:
-            r = self.call("head", key, lambda: self.client.head_object(Bucket=self.bucket, Key=key))
+            r = self.call("head", key, lambda: self._request(self.client.head_object, Bucket=self.bucket, Key=key))
         except ObjectNotFound:
             return None
         return _object(
             {"Key": key, "Size": r.get("ContentLength"), "ETag": r.get("ETag"), "LastModified": r.get("LastModified")}
         )
 
-    def open(self, obj: RemoteObject, *, ranged: bool = False) -> ObjectReader:
-        return ObjectReader(self, obj, ranged=ranged)
+    def open(self, obj: RemoteObject, *, ranged: bool = False) -> io.BufferedReader | ObjectReader:
+        """`obj` as a binary file: streamed through a buffer of STREAM_BUFFER bytes (tarfile's small
+        reads are served from it), or `ranged` (each read one GET, for Parquet's exact ranges)."""
+        reader = ObjectReader(self, obj, ranged=ranged)
+        return reader if ranged else io.BufferedReader(reader, STREAM_BUFFER)
 
 
 def _object(o: dict[str, Any]) -> RemoteObject:
@@ -218,7 +225,7 @@ class ObjectReader(io.RawIOBase):
         params: dict[str, Any] = {"Bucket": self.objects.bucket, "Key": self.obj.key, "Range": span}
         if self.obj.etag:
             params["IfMatch"] = self.obj.etag
-        return self.objects.client.get_object(**params)["Body"]
+        return self.objects._request(self.objects.client.get_object, **params)["Body"]
 
     def read(self, size: int | None = -1) -> bytes:
         end = self.obj.size if size is None or size < 0 else min(self.obj.size, self.pos + size)
