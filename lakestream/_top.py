@@ -14,6 +14,7 @@ each producer that committed in the interval, over those races plus those commit
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Iterator
@@ -183,30 +184,20 @@ def render(v: dict[str, Any]) -> Any:
 
 async def run_top(url: str, *, interval: float = 2.0, once: bool = False, as_json: bool = False) -> int:
     """`lakestream top`: follow the stream's manifest (reads only) and show the view every `interval`
-    seconds until interrupted; `once`: one view after one interval (`as_json`: one JSON object)."""
+    seconds until interrupted (`once`: one view, after one interval); `as_json`: each view as one
+    line of JSON instead of a table."""
     import orjson
+    from rich.console import Console
+    from rich.live import Live
 
     if not interval > 0:
         raise ValueError(f"--interval must be a positive number of seconds, got {interval!r}")
     async with open_store(url) as store:
-        m = Manifest(store, retries=None)
+        m = Manifest(store, retries=8 if once else None)  # live: an outage is waited out
         await m.load()
         before, t0 = m.state.copy(), time.monotonic()
-        if once:
-            await anyio.sleep(interval)
-            await m.refresh()
-            v = view(before, m.state, time.monotonic() - t0, time.time(), store.url)
-            if as_json:
-                sys.stdout.write(orjson.dumps(v).decode() + "\n")
-            else:
-                from rich.console import Console
-
-                Console().print(render(v))
-            return 0
-        from rich.console import Console
-        from rich.live import Live
-
-        with Live(console=Console(), auto_refresh=False) as live:
+        live = None if once or as_json else Live(console=Console(), auto_refresh=False)
+        with live if live is not None else contextlib.nullcontext():
             while True:
                 await anyio.sleep(interval)
                 await m.refresh()
@@ -216,8 +207,12 @@ async def run_top(url: str, *, interval: float = 2.0, once: bool = False, as_jso
                 if as_json:
                     sys.stdout.write(orjson.dumps(v).decode() + "\n")
                     sys.stdout.flush()
+                elif live is None:
+                    Console().print(render(v))
                 else:
                     live.update(render(v), refresh=True)
+                if once:
+                    return 0
                 before, t0 = after, now
 
 
