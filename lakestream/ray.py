@@ -250,7 +250,8 @@ def _run_actors(
     log.info("%d producer actors submitted", n)
     try:
         while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
+            # A timeout, so that Ctrl-C (handled between waits, not inside one) stops the fleet.
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
             for ref in done:
                 i = pending.pop(ref)
                 try:

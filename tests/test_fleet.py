@@ -135,25 +135,31 @@ def head(url: str) -> int:
     return anyio.run(lakestream.load_state, url).head
 
 
-def _producer_actor_pids() -> list[int]:
-    """Processes running a producer actor's task (Ray titles them `ray::_ProducerActor.run`)."""
+def _producer_actor_pids(marker: str) -> list[int]:
+    """Processes running a producer actor's task (Ray titles them `ray::_ProducerActor.run`) with `marker` in
+    their environment: this test's fleet only, whatever else runs on the machine."""
     pids = []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(b"ray::_ProducerActor.run"):
+            if (
+                entry.name.isdigit()
+                and (entry / "cmdline").read_bytes().startswith(b"ray::_ProducerActor.run")
+                and marker.encode() in (entry / "environ").read_bytes()
+            ):
                 pids.append(int(entry.name))
         except OSError:
-            continue  # gone meanwhile
+            continue  # gone meanwhile, or not ours to read
     return pids
 
 
-def kill_an_actor_mid_run(proc: subprocess.Popen[str], url: str, after_step: int) -> tuple[str, str]:
-    """Once step `after_step` is committed, SIGKILL a producer actor's process of the running fleet `proc`;
-    the fleet's output once it has ended."""
+def kill_an_actor_mid_run(proc: subprocess.Popen[str], url: str, after_step: int, marker: str) -> tuple[str, str]:
+    """Once step `after_step` is committed, SIGKILL a producer actor's process of the running fleet `proc` (its
+    actors have `marker` in their environment); the fleet's output once it has ended."""
     with proc:
         try:
             wait_until(lambda: head(url) >= after_step, timeout=120, what=f"step {after_step}")
-            victim = wait_until(_producer_actor_pids, timeout=30, what="a producer actor's process")[0]
+            victims = wait_until(lambda: _producer_actor_pids(marker), timeout=30, what="a producer actor's process")
+            victim = victims[0]
             assert proc.poll() is None, "the fleet ended before an actor could be killed"
             os.kill(victim, signal.SIGKILL)
             return proc.communicate(timeout=180)
@@ -168,7 +174,7 @@ def test_an_actor_killed_mid_run_is_restarted_and_every_sample_lands_once(
     url = setup["url"]
     proc = spawn_cli("fleet", url, "--source", setup["spec"], "--producers", 3, "--map", "slow:fn", "--json",
                      "--ray-address", ray_address, env=setup["env"])  # fmt: skip
-    out, err = kill_an_actor_mid_run(proc, url, after_step=6)
+    out, err = kill_an_actor_mid_run(proc, url, 6, setup["env"]["PYTHONPATH"])
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err}"
     s = json.loads(out.splitlines()[-1])
     assert s["restarts"] == 1 and s["ok"], s
@@ -241,14 +247,12 @@ def test_what_is_refused_before_anything_starts(tmp_path: Path) -> None:
 
 
 def test_an_actor_dead_with_no_restart_left_fails_its_producer(setup: dict[str, Any], ray_address: str) -> None:
-    """--max-restarts 0: the killed producer fails for good, the others finish; a rerun completes the stream."""
+    """--max-restarts 0: the killed producer fails for good, the other one finishes its share."""
     url = setup["url"]
     base = ["--source", setup["spec"], "--producers", 2, "--map", "slow:fn", "--ray-address", ray_address]
     proc = spawn_cli("fleet", url, *base, "--max-restarts", 0, env=setup["env"])
-    out, err = kill_an_actor_mid_run(proc, url, after_step=2)
+    out, err = kill_an_actor_mid_run(proc, url, 2, setup["env"]["PYTHONPATH"])
     assert proc.returncode == 1, f"exit {proc.returncode}\n{out}\n{err}"
     reason = [line for line in err.splitlines() if line.startswith("lakestream fleet: error: ")]
     assert len(reason) == 1 and "its actor died for good (no restart allowed)" in reason[0], err
-    assert verified(url)["samples"] < 180
-    r = fleet(url, *base, "--json", env=setup["env"])
-    assert summary(r)["ok"] and set(read_values(url, 2)) == ALL_KEYS, describe(r)
+    assert 90 <= verified(url)["samples"] < 180  # the other producer's whole share, part of the killed one's
