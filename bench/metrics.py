@@ -152,13 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict[tuple[str, str, bool], list[float]] = {}
     scraped = (0, 0)
     try:
-        for i in range(runs):
+        for _ in range(runs):
             for store in ("file://", "memory"):
                 for on in (False, True):
                     metrics.set_enabled(on)
-                    target: Any = (
-                        f"file://{base / f'{i}-{int(on)}'}" if store == "file://" else MemoryStore("memory://b")
-                    )
+                    # one URL for every run (a fresh directory): the series are those of one stream
+                    target: Any = f"file://{base / 's'}" if store == "file://" else MemoryStore("memory://b")
                     with Scraper(port) if on else contextlib.nullcontext() as sc:
                         up = anyio.run(ingest, target, n, payload)
                         down = anyio.run(read, target)
@@ -166,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                         scraped = (scraped[0] + sc.scrapes, max(scraped[1], sc.bytes))
                     figures.setdefault((store, "ingest", on), []).append(up)
                     figures.setdefault((store, "read", on), []).append(down)
-                    shutil.rmtree(base / f"{i}-{int(on)}", ignore_errors=True)
+                    shutil.rmtree(base / "s", ignore_errors=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
         metrics.set_enabled(True)

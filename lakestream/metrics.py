@@ -116,7 +116,6 @@ if prom is not None:
         "lakestream_reader_stall_seconds",
         "Seconds the consumer waited for its next batch (from asking to getting it)", SR, buckets=STALL_BUCKETS,
     )  # fmt: skip
-    R_STEPS = C("lakestream_reader_steps", "Steps delivered to the consumer", SR)
     R_BYTES = C("lakestream_reader_bytes_fetched", "Bytes of rank slices fetched from the store", SR)
     R_CRC = C("lakestream_reader_checksum_failures", "Slices whose bytes failed the CRC-32 of their commit", SR)
     M_HITS = C("lakestream_mount_cache_hits", "Slice requests served from the mount's cache (or a fetch under way)", SR)
@@ -237,15 +236,14 @@ class _Producer(ProducerRecorder):
 
 
 class _Reader(ReaderRecorder):
-    __slots__ = ("_bytes", "_crc", "_stall", "_steps")
+    __slots__ = ("_bytes", "_crc", "_stall")
 
     def __init__(self, stream: str, rank: str) -> None:
-        self._stall, self._steps = R_STALL.labels(stream, rank), R_STEPS.labels(stream, rank)
+        self._stall = R_STALL.labels(stream, rank)  # its _count: the steps delivered
         self._bytes, self._crc = R_BYTES.labels(stream, rank), R_CRC.labels(stream, rank)
 
     def stalled(self, seconds: float) -> None:
         self._stall.observe(seconds)
-        self._steps.inc()
 
     def fetched(self, nbytes: int) -> None:
         self._bytes.inc(nbytes)
