@@ -655,8 +655,10 @@ class HfSource(_Sharded):
         root = Path(path)
         if (root / "dataset_dict.json").is_file():
             splits = self._json(root / "dataset_dict.json").get("splits")
-            if not isinstance(splits, list) or not all(isinstance(x, str) and x for x in splits) or not splits:
+            if not isinstance(splits, list) or not splits:
                 raise ValueError(f"{self.what}: dataset_dict.json lists no splits")
+            if not all(isinstance(x, str) and re.fullmatch(r"\w+(\.\w+)*", x) for x in splits):
+                raise ValueError(f"{self.what}: dataset_dict.json lists unusable split names {splits!r:.200}")
             if split is None and len(splits) > 1:
                 raise ValueError(f"{self.what}: a DatasetDict with splits {splits}: choose one with --split")
             split = split if split is not None else splits[0]
@@ -680,12 +682,14 @@ class HfSource(_Sharded):
         if not isinstance(entries, list) or not entries:
             raise ValueError(f"{self.what}: {where / 'state.json'} lists no data files")
         files: list[_File] = []
+        seen: set[str] = set()
         for e in entries:
             name = e.get("filename") if isinstance(e, dict) else None
-            if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+            if not isinstance(name, str) or not name or "/" in name or name.startswith(".") or name in seen:
                 raise ValueError(f"{self.what}: {where / 'state.json'} lists an unusable data file {e!r:.80}")
             if not (where / name).is_file():
                 raise FileNotFoundError(f"{self.what}: {where / name} (listed in state.json) is missing")
+            seen.add(name)
             files.append(_stat(str(where / name), name))
         self._pa = pa
         self._table: tuple[str, Any] | None = None

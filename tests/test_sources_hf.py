@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import anyio
 import datasets
 import pytest
 from cliutil import describe, run_cli, spawn_cli, wait_until
@@ -64,6 +65,11 @@ def expected(d: datasets.Dataset) -> dict[str, dict[str, Any]]:
         row["img"] = row["img"]["bytes"]
         out[row.pop("id")] = row
     return out
+
+
+def state(url: str) -> Any:
+    """The stream's state, read in process (quicker than `status` in a subprocess, for polling)."""
+    return anyio.run(lakestream.load_state, url)
 
 
 def keys(spec: str, cursor: Any = None, **kw: Any) -> list[str]:
@@ -156,14 +162,14 @@ def test_sigkill_mid_run_then_rerun_commits_every_row_once(tmp_path: Path, monke
     command = ["produce", url, "--producer-id", "p", "--source", f"hf:{tmp_path / 'ds'}", "--max-inflight-bytes", 1]
     proc = spawn_cli(*command, "--rate", 60)
     try:
-        wait_until(lambda: status(url)["head_step"] >= 20, timeout=30, what="21 committed steps")
+        wait_until(lambda: state(url).head >= 20, timeout=30, what="21 committed steps")
     finally:
         proc.kill()
         proc.communicate()
-    cursor = status(url)["producers"]["p"]["cursor"]
-    assert cursor["shard"] == "data-00000-of-00003.arrow[0:100]" and 0 < cursor["sample"] < 100, cursor
+    cursor = state(url).producers["p"].cursor  # 3 arrow files of 100 rows: units [0:100] of each
+    assert cursor["shard"].endswith(".arrow[0:100]") and (cursor["index"], cursor["sample"]) != (2, 100), cursor
     r = run_cli(*command, check=True)
-    assert "resumed at" in r.stdout and "samples into 'data-00000-of-00003.arrow[0:100]'" in r.stdout, describe(r)
+    assert f"resumed at {cursor['sample']} samples into {cursor['shard']!r}" in r.stdout, describe(r)
     assert sorted(read_values(url, 2)) == [f"train-{i:09d}" for i in range(300)]
     run_cli("verify", url, check=True)
 
@@ -187,3 +193,16 @@ def test_a_changed_dataset_is_refused_naming_the_change(tmp_path: Path) -> None:
     refused("the split 'train' now has 24 rows, not 20")
     make_hf(tmp_path / "ds", {"train": 20}, seed=1)  # as many rows, other values
     refused("an arrow file of the split was rewritten")
+
+
+def test_a_hostile_dataset_dict_is_refused(tmp_path: Path) -> None:
+    make_hf(tmp_path / "dd", {"train": 3})
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["../../etc"]}')
+    with pytest.raises(ValueError, match="unusable split names"):
+        open_source(f"hf:{tmp_path / 'dd'}", split="../../etc")
+    state = tmp_path / "dd" / "train" / "state.json"
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train"]}')
+    files = json.loads(state.read_text())["_data_files"]
+    state.write_text(json.dumps({"_data_files": files + files[:1]}))
+    with pytest.raises(ValueError, match="unusable data file"):
+        open_source(f"hf:{tmp_path / 'dd'}")
