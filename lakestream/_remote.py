@@ -220,19 +220,23 @@ class ObjectReader(io.RawIOBase):
         super().close()
 
     def _get(self, end: int) -> Any:
-        """The GET response body for bytes pos..end-1 (the ETag pinned)."""
+        """The GET response body from byte pos, for bytes up to end-1 at least (the ETag pinned)."""
         span = f"bytes={self.pos}-{end - 1}" if end < self.obj.size else f"bytes={self.pos}-"
         params: dict[str, Any] = {"Bucket": self.objects.bucket, "Key": self.obj.key, "Range": span}
         if self.obj.etag:
             params["IfMatch"] = self.obj.etag
-        return self.objects._request(self.objects.client.get_object, **params)["Body"]
+        resp = self.objects._request(self.objects.client.get_object, **params)
+        body = resp["Body"]
+        if resp["ResponseMetadata"]["HTTPStatusCode"] == 200 and self.pos:  # Range ignored: the whole object
+            body.read(self.pos)
+        return body
 
     def read(self, size: int | None = -1) -> bytes:
         end = self.obj.size if size is None or size < 0 else min(self.obj.size, self.pos + size)
         if end <= self.pos:
             return b""
         if self.ranged:
-            data: bytes = self.objects.call("get", self.obj.key, lambda: self._get(end).read())
+            data: bytes = self.objects.call("get", self.obj.key, lambda: self._ranged(end))
         else:
             data = self.objects.call("get", self.obj.key, lambda: self._stream(end - self.pos))
         if not data:
@@ -241,6 +245,15 @@ class ObjectReader(io.RawIOBase):
             )
         self.pos += len(data)
         return data
+
+    def _ranged(self, end: int) -> bytes:
+        """Bytes pos..end-1, by one GET."""
+        body = self._get(end)
+        try:
+            data: bytes = body.read(end - self.pos)
+            return data
+        finally:
+            body.close()
 
     def _stream(self, n: int) -> bytes:
         """Up to `n` bytes from the open body; a body cut off is dropped, so the retry opens a new one here."""
