@@ -170,30 +170,41 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(base, ignore_errors=True)
         metrics.set_enabled(True)
     rows = []
-    met = True
+    ab_met = True  # every A/B cost under 3 %, or inside the runs' own spread
+    noisy = False
     for store in ("file://", "memory"):
         for path, unit in (("ingest", "samples/s"), ("read", "steps/s")):
             off, on = figures[store, path, False], figures[store, path, True]
             cost = 1 - median(on) / median(off)
-            met &= cost < 0.03
+            spread = (max(off) - min(off)) / median(off)  # how much runs with the same setting differ
+            within = abs(cost) <= spread
+            noisy |= within and abs(cost) >= 0.03
+            ab_met &= cost < 0.03 or within
             rows.append([
                 store, f"{path} ({unit})", f"{median(off):,.0f}", f"{median(on):,.0f}", f"{cost:+.1%}",
-                f"{min(off):,.0f}..{max(off):,.0f}", f"{min(on):,.0f}..{max(on):,.0f}",
+                f"{spread:.0%}", f"{min(off):,.0f}..{max(off):,.0f}", f"{min(on):,.0f}..{max(on):,.0f}",
             ])  # fmt: skip
-    print_table(["store", "path", "metrics off", "metrics on", "cost", "off: runs", "on: runs"], rows, "llrrrrr")
+    headers = ["store", "path", "metrics off", "metrics on", "cost", "off: spread", "off: runs", "on: runs"]
+    print_table(headers, rows, "llrrrrrr")
     print(f"\n{scraped[0]} scrapes during the 'on' runs, the last of {scraped[1]:,} bytes\n")
     costs = per_call_costs()
     print_table(["recorder call", "µs per call"], [[k, f"{v:.2f}"] for k, v in costs.items()])
     per_tgb = costs["committed (per TGB)"] + costs["uploaded (per TGB)"] + costs["appended (per commit)"]
     ingest_off = median(figures["memory", "ingest", False])
-    share = per_tgb * 1e-6 * ingest_off / BATCH
-    print(f"\nrecording per TGB: {per_tgb:.2f} µs, {share:.3%} of a TGB's time at {ingest_off:,.0f} samples/s (memory)")
+    tgb_share = per_tgb * 1e-6 * ingest_off / BATCH
+    print(f"\nrecording per TGB: {per_tgb:.2f} µs, {tgb_share:.3%} of a TGB's time at {ingest_off:,.0f} samples/s "
+          "(memory)")  # fmt: skip
     per_step = costs["stalled (per step read)"] + costs["fetched (per slice read)"]
     read_off = median(figures["memory", "read", False])
-    print(f"recording per step read: {per_step:.2f} µs, {per_step * 1e-6 * read_off:.3%} of a step's time at "
-          f"{read_off:,.0f} steps/s (memory)")  # fmt: skip
+    step_share = per_step * 1e-6 * read_off
+    print(f"recording per step read: {per_step:.2f} µs, {step_share:.3%} of a step's time at {read_off:,.0f} "
+          "steps/s (memory)")  # fmt: skip
     print(f"\nload average at end: {load_average()}")
-    print(f"target metrics cost < 3% of ingest and read throughput (medians): {'met' if met else 'NOT met'}")
+    estimate_met = tgb_share < 0.03 and step_share < 0.03
+    print(f"target metrics cost < 3% of ingest and read throughput, per-call estimate: "
+          f"{'met' if estimate_met else 'NOT met'} ({tgb_share:.2%} ingest, {step_share:.2%} read)")  # fmt: skip
+    verdict = "met" if ab_met and not noisy else "inconclusive (runs differ more than that)" if ab_met else "NOT met"
+    print(f"target metrics cost < 3% of ingest and read throughput, A/B medians: {verdict}")
     return 0
 
 

@@ -219,9 +219,12 @@ class _Producer(ProducerRecorder):
         child.inc()
 
     def committed(self, tgb: _Tgb, seconds: float) -> None:
-        ranks = tgb.ref.ranks if tgb.ref is not None else ()
-        self._samples.inc(sum(r[3] for r in ranks))
-        self._bytes.inc(sum(r[1] for r in ranks))
+        samples = nbytes = 0
+        for _, length, _, n in tgb.ref.ranks if tgb.ref is not None else ():
+            samples += n
+            nbytes += length
+        self._samples.inc(samples)
+        self._bytes.inc(nbytes)
         self._tgbs.inc()
         self._commit.observe(seconds)
 
