@@ -161,7 +161,7 @@ def render(v: dict[str, Any]) -> Any:
                       + f", {v['steps_ahead']} steps ahead of it (max {limit})"),
         ("back-pressure", Text("producers held", style="bold red") if v["backpressure"] else "no"),
         ("gc", f"steps below {gc['first_step']} reclaimed ({gc['reclaimed_steps']} in the last "
-               f"{v['interval_seconds']:g} s), {gc['retained_steps']} retained"),
+               f"{v['interval_seconds']:.1f} s), {gc['retained_steps']} retained"),
     ]  # fmt: skip
     for name, value in rows:
         head.add_row(name, value)
