@@ -427,7 +427,6 @@ class Bench:
     # -- NATS
 
     def start_nats(self) -> None:
-        from _common import unique  # noqa: F401  (the same module; keeps imports in one place)
         from s3server import free_ports
 
         port, = free_ports(1)  # fmt: skip
@@ -488,7 +487,7 @@ class Bench:
             return str(py)
         log(f"creating the Mosaic Streaming venv at {MOSAIC_VENV} (a few minutes) ...")
         try:
-            subprocess.run([sys.executable.replace(sys.executable, shutil.which("python3") or "python3"), "-m", "venv",
+            subprocess.run([shutil.which("python3") or "python3", "-m", "venv",
                             str(MOSAIC_VENV)], check=True)  # fmt: skip
             site = subprocess.run([str(py), "-c", "import site; print(site.getsitepackages()[0])"], check=True,
                                   capture_output=True, text=True).stdout.strip()  # fmt: skip
@@ -686,7 +685,13 @@ def main() -> int:
     only = set(a.only.split(","))
     if a.smoke:
         only -= {"d", "faults", "sweep"}
-    producer_cpus = sorted(os.sched_getaffinity(0) & set(_cpus(a.producer_cpus)))
+    avail = os.sched_getaffinity(0)
+    if not (set(_cpus(a.trainer_cpus)) <= avail and set(_cpus(a.producer_cpus)) <= avail):
+        everything = ",".join(map(str, sorted(avail)))
+        print(f"CPUs {a.trainer_cpus} / {a.producer_cpus} are not all available here ({everything}): "
+              "trainer and producers share them all, and the split is not measured", flush=True)  # fmt: skip
+        a.trainer_cpus = a.producer_cpus = everything
+    producer_cpus = sorted(avail & set(_cpus(a.producer_cpus)))
     a.producers = a.producers or len(producer_cpus) or 1
     gb = a.batch * a.ranks
     a.per_shard = gb * (1 if a.smoke else 4)
