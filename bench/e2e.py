@@ -22,7 +22,7 @@ The pipelines:
             shards from S3 (GetObject streamed through tarfile) and decoding there.
   (b)       Lakestream: one producer per producer CPU runs `lakestream.produce(url, id,
             "wds:DIR/*.tar", map=train_transform)` over its share of the shards (copied from S3 to
-            its local disk first: `wds:` reads local files) and commits decoded TGBs; the trainer
+            its local disk before the run, not timed; no `wds:s3://` source) and commits decoded TGBs; the trainer
             reads through StreamDataset, and in a second run (a new stream, new producers) through
             `lakestream mount` + MountDataset.
   (c)       broker: the same producers publish the same decoded batches to NATS JetStream
