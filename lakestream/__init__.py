@@ -25,6 +25,7 @@ from ._errors import (
     CorruptData,
     InvalidSample,
     LakestreamError,
+    MixChanged,
     ObjectNotFound,
     ProducerFenced,
     SegmentLost,
@@ -37,6 +38,7 @@ from ._errors import (
 from ._gc import GcReport
 from ._gc import gc as _gc
 from ._lifecycle import checkpoint as _checkpoint
+from ._lifecycle import mix as _mix
 from ._lifecycle import release as _release
 from ._lifecycle import reshape as _reshape
 from ._lifecycle import rewind as _rewind
@@ -67,6 +69,7 @@ __all__ = [
     "IntervalPolicy",
     "InvalidSample",
     "LakestreamError",
+    "MixChanged",
     "ObjectNotFound",
     "ObjectStore",
     "ProduceReport",
@@ -89,6 +92,7 @@ __all__ = [
     "create",
     "gc",
     "load_state",
+    "mix",
     "open_producer",
     "open_reader",
     "open_store",
@@ -206,6 +210,15 @@ async def reshape(
     """
     async with _store_for(target) as store:
         return await _reshape(store, world_size, global_batch=global_batch, from_step=from_step)
+
+
+async def mix(target: Target, weights: dict[str, float], *, from_step: int | None = None) -> State:
+    """From `from_step` (None: the step after the head; never a committed step) every TGB holds
+    each named source's share of the global batch: the largest-remainder rounding of weight x
+    global batch. Several mixes with later `from_step`s make a schedule. Producers draw from named
+    sources (`produce(url, id, {"web": spec, ...})`). Returns the new state."""
+    async with _store_for(target) as store:
+        return await _mix(store, list(weights.items()), from_step=from_step)
 
 
 async def gc(target: Target, **options: Any) -> GcReport:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["assign_ranks", "reslice"]
+__all__ = ["assign_ranks", "mix_counts", "reslice"]
 
 
 def assign_ranks(costs: Sequence[float] | None, n: int, world_size: int) -> list[list[int]]:
@@ -63,3 +63,17 @@ def reslice(counts: Sequence[int], world_size: int) -> list[list[tuple[int, int,
             want -= take
         out.append(pieces)
     return out
+
+
+def mix_counts(weights: Sequence[tuple[str, float]], batch: int) -> dict[str, int]:
+    """Each source's samples in a global batch of `batch`: the largest-remainder rounding of
+    weight / total weight x batch (ties to the source listed first). The counts add up to `batch`."""
+    total = sum(w for _, w in weights)
+    if not weights or not total > 0 or batch < 0:
+        raise ValueError(f"mix_counts: weights {list(weights)[:8]}, batch {batch}")
+    exact = [(name, w / total * batch) for name, w in weights]
+    counts = {name: int(x) for name, x in exact}
+    order = sorted(range(len(exact)), key=lambda i: (-(exact[i][1] - int(exact[i][1])), i))
+    for i in order[: batch - sum(counts.values())]:
+        counts[exact[i][0]] += 1
+    return counts

@@ -23,6 +23,7 @@ import orjson
 
 import lakestream
 
+from ._batching import mix_counts
 from ._errors import LakestreamError
 from ._pacing import DacPolicy
 from ._pipeline import SyntheticSource, produce
@@ -161,10 +162,12 @@ def _parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-dir", metavar="DIR", help="a directory of <key>.<field> files")
     src.add_argument("--synthetic", type=int, metavar="N", help="N synthetic samples")
-    src.add_argument("--source", metavar="SPEC",
+    src.add_argument("--source", metavar="SPEC", action="append",
                      help="wds:PATTERN (local WebDataset tar shards, a glob or a brace pattern such as "
                           "'train-{000..127}.tar'), parquet:PATH (a file or a directory of .parquet files, one row "
-                          "a sample) or dir:PATH (the same as --from-dir PATH)")  # fmt: skip
+                          "a sample) or dir:PATH (the same as --from-dir PATH); NAME=SPEC, repeated, draws from "
+                          "several named sources by the mixture in force (see 'lakestream mix')")  # fmt: skip
+
     p.add_argument("--shard", type=_shard, default="0/1", metavar="I/N",
                    help="--source wds:/parquet:: read files I, I+N, I+2N, ... of the sorted list (producer I of N)")  # fmt: skip
     p.add_argument("--key-column", metavar="COL", default=None,
@@ -276,6 +279,20 @@ def _parser() -> argparse.ArgumentParser:
     to.add_argument("--to-checkpoint", metavar="ID", help="a retained checkpoint")
     to.add_argument("--to-step", type=_nonneg, metavar="S", help="the last step to keep")
 
+    p = sub.add_parser("mix", help="set the share of each named source in every global batch from a step on",
+                       description=(
+        "From step S (default: the step after the head; never a committed step) every TGB holds each named "
+        "source's share of the global batch: the largest-remainder rounding of weight x global batch. Several "
+        "mix records with later --from-step values make a schedule; a later one from the same step replaces it. "
+        "Producers draw from the named sources with --source NAME=SPEC; a producer whose sealed TGBs would land "
+        "under other weights starts again from its committed cursors instead of committing them."
+    ))  # fmt: skip
+    p.add_argument("url", help=url_help)
+    p.add_argument("--weights", type=_weights, required=True, metavar="NAME=W,...",
+                   help="source weights, such as web=0.6,code=0.3,math=0.1 (any positive scale)")  # fmt: skip
+    p.add_argument("--from-step", type=_nonneg, default=None, metavar="S",
+                   help="the first step under these weights (default: the step after the head)")  # fmt: skip
+
     p = sub.add_parser("reshape", help="read the steps from a step on as another number of ranks", description=(
         "From step S (default: the step after the head) every step is read as W2 ranks. A world-size change "
         "discards nothing: "
@@ -382,13 +399,47 @@ async def _produce(a: argparse.Namespace) -> int:
     return 0
 
 
+SOURCE_KINDS = ("wds:", "parquet:", "hf:", "dir:")
+
+
+def _named_sources(specs: list[str]) -> dict[str, str]:
+    """`NAME=SPEC` arguments as {name: spec}; {} for one unnamed spec. ValueError for a mix of both."""
+    named: dict[str, str] = {}
+    for spec in specs:
+        name, eq, rest = spec.partition("=")
+        if eq and not spec.startswith(SOURCE_KINDS) and rest.startswith(SOURCE_KINDS):
+            if name in named:
+                raise ValueError(f"--source {spec!r}: source {name!r} is given twice")
+            named[name] = rest
+    if len(specs) > 1 and len(named) != len(specs):
+        raise ValueError("several --source options must each be NAME=SPEC (NAME=wds:..., NAME=parquet:...)")
+    return named
+
+
+def _open_named(a: argparse.Namespace, spec: str) -> Any:
+    """A named source with the options that apply to its kind (--key-column: parquet:/hf:, --split: hf:)."""
+    if spec.startswith("dir:"):
+        return open_source(spec)
+    key_column = a.key_column if spec.startswith(("parquet:", "hf:")) else None
+    split = a.split if spec.startswith("hf:") else None
+    return open_source(
+        spec, shard=a.shard, key_column=key_column, split=split, epochs=a.epochs, shuffle_seed=a.shuffle_seed
+    )
+
+
 async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Producer]) -> None:
     policy: Any = a.commit_policy
     if a.max_commit_delay is not None:
         if policy != "dac":
             raise ValueError("--max-commit-delay applies to --commit-policy dac")
         policy = DacPolicy(max_commit_delay=a.max_commit_delay)
-    if (a.source is None or a.source.startswith("dir:")) and (a.epochs != 1 or a.shuffle_seed is not None):
+    named = _named_sources(a.source or [])
+    a.source = None if named or not a.source else a.source[0]
+    if named and (a.from_dir or a.decode or a.follow_symlinks or a.drop_last):
+        raise ValueError("named sources take no --from-dir, --decode, --follow-symlinks or --drop-last")
+    if named:
+        a.source = "named"
+    elif (a.source is None or a.source.startswith("dir:")) and (a.epochs != 1 or a.shuffle_seed is not None):
         raise ValueError("--epochs and --shuffle-seed apply to --source wds: and parquet:")
     if a.source is not None and a.source.startswith("dir:"):
         if a.shard != (0, 1) or a.key_column is not None:
@@ -399,8 +450,10 @@ async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Produc
     if a.from_dir is None and (a.decode or a.follow_symlinks):
         raise ValueError("--decode and --follow-symlinks apply to --from-dir")
     source: Any
-    if a.source is not None:
-        order = {"epochs": a.epochs, "shuffle_seed": a.shuffle_seed}
+    order = {"epochs": a.epochs, "shuffle_seed": a.shuffle_seed}
+    if named:
+        source = {n: _open_named(a, s) for n, s in named.items()}
+    elif a.source is not None:
         source = open_source(a.source, shard=a.shard, key_column=a.key_column, split=a.split, **order)
     elif a.from_dir is not None:
         source = DirSource(a.from_dir, decode=a.decode, follow_symlinks=a.follow_symlinks)
@@ -423,7 +476,7 @@ async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Produc
             "samples": s.samples, "tgbs": s.tgbs_committed, "commits": s.commits, "conflicts": s.conflicts,
             "commit_attempts": s.commit_attempts, "bytes": s.bytes_uploaded,
             "requests": getattr(store, "requests", None), "ready_to_visible": sorted(s.ready_to_visible),
-            "held_back": r.held_back,
+            "held_back": r.held_back, "mix_restarts": r.extra.get("mix_restarts", 0),
         }  # fmt: skip
         if r.map is not None:
             m = r.map
@@ -546,6 +599,29 @@ async def _rewind(a: argparse.Namespace) -> int:
     return 0
 
 
+def _weights(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        name, eq, w = part.strip().partition("=")
+        try:
+            out[name] = float(w)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected NAME=WEIGHT") from None
+        if not eq:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected NAME=WEIGHT")
+    return out
+
+
+async def _mix(a: argparse.Namespace) -> int:
+    state = await lakestream.mix(a.url, a.weights, from_step=a.from_step)
+    m = state.mixes[-1]
+    shares = mix_counts(m.weights, state.batch_at(m.from_step))
+    print(
+        f"{a.url}: from step {m.from_step} every global batch holds " + ", ".join(f"{n} {c}" for n, c in shares.items())
+    )
+    return 0
+
+
 async def _reshape(a: argparse.Namespace) -> int:
     state = await lakestream.reshape(a.url, a.world_size, global_batch=a.global_batch, from_step=a.from_step)
     start, w, b = state.shapes[-1]
@@ -594,6 +670,14 @@ def status_dict(state: lakestream.State) -> dict[str, Any]:
             k: {"epoch": p.epoch, "seq": p.seq, "cursor": p.cursor, "last_commit": p.last_ts, "tgbs": p.tgbs}
             for k, p in sorted(state.producers.items())
         },
+        "mixes": [
+            {
+                "from_step": m.from_step,
+                "weights": dict(m.weights),
+                "shares": mix_counts(m.weights, state.batch_at(m.from_step)),
+            }
+            for m in state.mixes
+        ],
         "checkpoints": [{"id": c.id, "step": c.step} for c in state.checkpoints],
         "watermark": state.watermark,
         "rejected": [{"version": v, "reason": why} for v, why in state.rejected],
@@ -676,7 +760,7 @@ def _umount(a: argparse.Namespace) -> int:
 
 COMMANDS = {
     "init": _init, "produce": _produce, "read": _read, "status": _status, "verify": _verify, "demo": _demo,
-    "checkpoint": _checkpoint, "release": _release, "rewind": _rewind, "reshape": _reshape, "gc": _gc,
+    "checkpoint": _checkpoint, "release": _release, "rewind": _rewind, "reshape": _reshape, "mix": _mix, "gc": _gc,
 }  # fmt: skip
 SYNC_COMMANDS = {"mount": _mount, "umount": _umount, "fleet": _fleet}
 

@@ -18,17 +18,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ._config import LIMITS, Config
-from ._errors import ConfigMismatch, ProducerFenced, StepUnavailable
+from ._errors import ConfigMismatch, MixChanged, ProducerFenced, StepUnavailable
 from ._records import (
     CheckpointRecord,
     CommitRecord,
     CreateRecord,
+    MixRecord,
     ReclaimRecord,
     RegisterRecord,
     ReleaseRecord,
     ReshapeRecord,
     RewindRecord,
     TgbRef,
+    check_weights,
 )
 from ._state import ProducerState, State
 
@@ -38,6 +40,7 @@ __all__ = [
     "commit",
     "create",
     "current_incarnation",
+    "mix",
     "reclaim",
     "register",
     "release",
@@ -85,6 +88,13 @@ def commit(
     todo = [t for t in pending if t.seq > p.seq]
     if not todo:
         return None  # all landed (an ambiguous put whose answer was lost)
+    for i, t in enumerate(todo):
+        m = state.mix_at(state.head + 1 + i)
+        if t.ref.mix != (m.version if m else None):
+            raise MixChanged(
+                f"{url}: producer {producer!r}: TGB {t.seq} was sealed for mix version {t.ref.mix}, step "
+                f"{state.head + 1 + i} is under {m.version if m else 'no mix'}: start again from the committed cursor"
+            )
     return CommitRecord(producer, epoch, todo[0].seq, tuple(t.ref for t in todo), lost, now)
 
 
@@ -192,3 +202,18 @@ def reshape(
     if state.shapes and state.shapes[-1] == (start, world_size, batch):
         return None
     return ReshapeRecord(start, world_size, batch, now)
+
+
+def mix(
+    state: State, weights: Sequence[tuple[str, float]], *, from_step: int | None = None, now: float, url: str = ""
+) -> MixRecord | None:
+    """From `from_step` (None: the step after the head; never a committed step) every TGB holds
+    each source's share of the global batch by `weights`. None when that mix is already the newest
+    one recorded from that step. Raises ValueError for bad weights or a committed step."""
+    start = state.head + 1 if from_step is None else from_step
+    checked = check_weights([list(w) for w in weights])
+    if type(start) is not int or start <= state.head:
+        raise ValueError(f"{url}: a mix applies from a step not committed yet (after {state.head}), not {start!r}")
+    if state.mixes and (state.mixes[-1].from_step, state.mixes[-1].weights) == (start, checked):
+        return None
+    return MixRecord(start, checked, now)

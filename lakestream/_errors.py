@@ -27,6 +27,7 @@ __all__ = [
     "CorruptData",
     "InvalidSample",
     "LakestreamError",
+    "MixChanged",
     "ObjectNotFound",
     "ProducerFenced",
     "SegmentLost",
@@ -84,6 +85,11 @@ class ConfigMismatch(LakestreamError, ValueError):
 
 class ProducerFenced(LakestreamError):
     """A newer incarnation of this producer registered; this one may not commit."""
+
+
+class MixChanged(LakestreamError):
+    """A mixture record put other weights in force at the step a producer's sealed TGBs would take:
+    they are never committed; the producer starts again from its committed cursors and reseals."""
 
 
 class SegmentLost(LakestreamError):

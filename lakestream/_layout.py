@@ -26,6 +26,7 @@ __all__ = [
     "RESERVED_KEYS",
     "SEGMENTS_PREFIX",
     "SNAPSHOT_PREFIX",
+    "SOURCE_FIELD",
     "STATUS_NAME",
     "TMP_SUFFIX",
     "log_key",
@@ -45,6 +46,7 @@ TMP_SUFFIX = ".tmp"
 
 KEY_FIELD = "__key__"  # the sample member that names the sample
 COST_FIELD = "__cost__"  # a sample member that is its cost for rank balancing (not stored)
+SOURCE_FIELD = "__source__"  # the field naming a sample's source under a mixture
 STATUS_NAME = "_status.json"  # the mount's status file, at its root
 META_NAME = "_meta.json"  # the mount's index of one rank slice, in its step directory
 LATEST_NAME = "latest"  # the mount's symlink to a rank's newest step

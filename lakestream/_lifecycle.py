@@ -18,7 +18,7 @@ from ._manifest import Manifest
 from ._state import State
 from ._store import ObjectStore
 
-__all__ = ["checkpoint", "release", "reshape", "rewind"]
+__all__ = ["checkpoint", "mix", "release", "reshape", "rewind"]
 
 
 async def checkpoint(
@@ -86,4 +86,19 @@ async def reshape(
             st, world_size, global_batch=global_batch, from_step=from_step, now=wall(), url=store.url
         )
     )
+    return m.state
+
+
+async def mix(
+    store: ObjectStore,
+    weights: list[tuple[str, float]],
+    *,
+    from_step: int | None = None,
+    wall: Callable[[], float] = time.time,
+) -> State:
+    """From `from_step` (None: the step after the head) every TGB holds each named source's share
+    of the global batch by `weights` (`_decisions.mix`). Returns the new state."""
+    m = Manifest(store)
+    await m.load()
+    await m.append(lambda st, _: decisions.mix(st, weights, from_step=from_step, now=wall(), url=store.url))
     return m.state

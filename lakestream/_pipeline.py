@@ -9,17 +9,24 @@ expanded by the transform), so running the same pipeline again after a crash con
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
+from ._batching import mix_counts
+from ._errors import ConfigMismatch, MixChanged
+from ._layout import KEY_FIELD, SOURCE_FIELD
 from ._producer import Producer, ProducerStats
+from ._records import check_weights
 from ._sources import synthetic_source
 from ._transform import MapFunction, MapStats, source_cursor, transform
 from .sources import Source, open_source
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ProduceReport", "SyntheticSource", "produce"]
 
@@ -57,7 +64,7 @@ class ProduceReport:
 async def produce(
     target: Any,
     producer_id: str,
-    source: str | Source,
+    source: str | Source | Mapping[str, str | Source],
     *,
     shard: tuple[int, int] = (0, 1),
     key_column: str | None = None,
@@ -74,6 +81,14 @@ async def produce(
 ) -> ProduceReport:
     """Produce every sample of `source` (a spec for `open_source`, or a Source) into the stream.
 
+    `source` may also map source names to sources: the producer then draws from all of them, each
+    global batch holding each source's share by the mixture in force (`lakestream mix`; equal
+    shares before any), every sample keyed `<name>-<key>` with a `__source__` field naming its
+    source, and the cursor
+    `{"sources": {name: cursor}}`. It stops when one source ends. When a mix record changes the
+    weights at the step its sealed TGBs would take, the producer starts again from its committed
+    cursors (MixChanged): those TGBs are resealed from the source, never committed.
+
     `map`: a function (or `MODULE:FUNCTION`) from a sample to a sample, None (dropped) or a list of
     samples, run in `workers` processes when > 0, order preserved (see `lakestream._transform`);
     `on_error`: `"fail"` (MapError naming the record) or `"skip"` (counted in the report).
@@ -87,21 +102,108 @@ async def produce(
         raise ValueError(f"on_error {on_error!r}: expected fail or skip")
     if map is None and (workers or on_error != "fail"):
         raise ValueError("--workers and --on-error apply to --map")
-    if isinstance(source, str):
-        source = open_source(
-            source, shard=shard, key_column=key_column, split=split, epochs=epochs, shuffle_seed=shuffle_seed
-        )
+    order: dict[str, Any] = {
+        "shard": shard,
+        "key_column": key_column,
+        "split": split,
+        "epochs": epochs,
+        "shuffle_seed": shuffle_seed,
+    }
+    named = dict(source) if isinstance(source, Mapping) else None
+    if named is not None:
+        if not named:
+            raise ValueError("no sources")
+        for name in named:
+            check_weights([[name, 1.0]])  # a source name is what a mix record can name
+        if drop_last:
+            raise ValueError("--drop-last applies to a single source")
+        sources = {n: open_source(s, **order) if isinstance(s, str) else s for n, s in named.items()}
+    else:
+        single: Source = open_source(source, **order) if isinstance(source, str) else source  # type: ignore[assignment]
     t0 = time.perf_counter()
     mapped = MapStats() if map is not None else None
-    async with open_producer(target, producer_id, **options) as p:
-        if on_open is not None:
-            on_open(p)
-        start = p.cursor
-        it = source.iterate(source_cursor(start, mapped=map is not None))
-        if map is not None:
-            it = transform(it, map, start=start, workers=workers, on_error=on_error, stats=mapped)
-        held = await _feed(p, it, p.global_batch if drop_last else 1, rate, t0)
-    return ProduceReport(producer_id, p.epoch, start, time.perf_counter() - t0, p.stats, held, mapped, p.policy_name)
+    stats, restarts = ProducerStats(), 0
+    while True:
+        try:
+            async with open_producer(target, producer_id, **options) as p:
+                if on_open is not None:
+                    on_open(p)
+                start = p.cursor
+                if named is None:
+                    if p.mix_now()[1] is not None:
+                        raise ConfigMismatch(
+                            f"{p.manifest.url}: the stream is under a mixture; give this producer its named sources"
+                        )
+                    it = single.iterate(source_cursor(start, mapped=map is not None))
+                    if map is not None:
+                        it = transform(it, map, start=start, workers=workers, on_error=on_error, stats=mapped)
+                    held = await _feed(p, it, p.global_batch if drop_last else 1, rate, t0)
+                else:
+                    held = await _feed_mixed(p, sources, start, map, workers, on_error, mapped, rate, t0)
+            _add(stats, p.stats)
+            break
+        except MixChanged as e:
+            _add(stats, p.stats)
+            restarts += 1
+            log.info("%s", e)
+    report = ProduceReport(producer_id, p.epoch, start, time.perf_counter() - t0, stats, held, mapped, p.policy_name)
+    report.extra["mix_restarts"] = restarts
+    return report
+
+
+def _add(total: ProducerStats, one: ProducerStats) -> None:
+    for name in ("samples", "tgbs_committed", "bytes_uploaded", "commits", "commit_attempts", "conflicts"):
+        setattr(total, name, getattr(total, name) + getattr(one, name))
+    total.backpressure_waits += one.backpressure_waits
+    total.ready_to_visible += one.ready_to_visible
+
+
+async def _feed_mixed(
+    p: Producer,
+    sources: dict[str, Source],
+    start: Any,
+    map: str | MapFunction | None,
+    workers: int,
+    on_error: str,
+    mapped: MapStats | None,
+    rate: float,
+    t0: float,
+) -> int:
+    """Put global batches composed by the mixture in force, until a source ends. Nothing is held back."""
+    if start is not None and not (isinstance(start, dict) and isinstance(start.get("sources"), dict)):
+        raise ConfigMismatch(f"{p.manifest.url}: producer {p.id!r} resumes at {start!r}, not a cursor of named sources")
+    cursors: dict[str, Any] = dict(start["sources"]) if start is not None else {}
+    if unknown := set(cursors) - set(sources):
+        raise ConfigMismatch(f"{p.manifest.url}: producer {p.id!r} has cursors of sources {sorted(unknown)} not given")
+    its: dict[str, Iterator[Any]] = {}
+    for name, src in sources.items():
+        at = cursors.get(name)
+        it = src.iterate(source_cursor(at, mapped=map is not None))
+        its[name] = transform(it, map, start=at, workers=workers, on_error=on_error, stats=mapped) if map else it
+    n = 0
+    try:
+        while True:
+            version, weights = p.mix_now()
+            counts = mix_counts(weights or [(name, 1.0) for name in sources], p.global_batch)
+            if missing := [name for name, c in counts.items() if c and name not in its]:
+                raise ConfigMismatch(f"{p.manifest.url}: the mixture in force draws from {missing}, not given")
+            for name, c in counts.items():
+                for _ in range(c):
+                    item = await anyio.to_thread.run_sync(next, its[name], None)
+                    if item is None:
+                        return 0  # a source ended: the open batch is committed short (each share at most)
+                    sample, cursors[name] = item
+                    doc = {"sources": dict(cursors)}
+                    key = f"{name}-{sample.get(KEY_FIELD, n)}"  # keys of different sources never collide
+                    await p.put({**sample, KEY_FIELD: key, SOURCE_FIELD: name}, cursor=doc, source=name, mix=version)
+                    n += 1
+                    if rate > 0 and (ahead := t0 + n / rate - time.perf_counter()) > 0:
+                        await anyio.sleep(ahead)
+    finally:
+        with anyio.CancelScope(shield=True):
+            for it in its.values():
+                if (close := getattr(it, "close", None)) is not None:
+                    await anyio.to_thread.run_sync(close)
 
 
 async def _feed(p: Producer, it: Iterator[Any], batch: int, rate: float, t0: float) -> int:

@@ -53,6 +53,8 @@ class _Tgb:
     cursor: Any
     nbytes: int
     sealed_at: float
+    mix: int | None = None  # the version of the mix record it was sealed for
+    sources: tuple[tuple[str, int], ...] | None = None  # its samples per named source, under a mixture
     ref: TgbRef | None = None  # where it was uploaded, once it was
     checked_at: float = -1.0  # when its segment was last seen to exist
 
@@ -112,6 +114,8 @@ class Producer:
         self._next_seq = 0
         self._committed_seq = -1
         self._samples: list[EncodedSample] = []
+        self._sources: dict[str, int] = {}  # samples of the open batch per named source
+        self._mix: int | None = None  # the mix version the open batch is sealed for
         self._costs: list[float] = []
         self._keys: set[str] = set()
         self._last_cursor: Any = None
@@ -169,8 +173,22 @@ class Producer:
 
     # -- the public API ------------------------------------------------------------------------
 
-    async def put(self, sample: Mapping[str, Any], *, cursor: Any = None) -> None:
+    def mix_now(self) -> tuple[int | None, tuple[tuple[str, float], ...] | None]:
+        """(version, weights) of the mixture in force at the step the next TGB would take (after the
+        head as this producer last saw the log, and its own TGBs sealed before), or (None, None)."""
+        state = self.manifest.state
+        m = state.mix_at(state.head + 1 + len(self._pending))  # where it lands if no other producer commits first
+        return (m.version, m.weights) if m else (None, None)
+
+    async def put(
+        self, sample: Mapping[str, Any], *, cursor: Any = None, source: str | None = None, mix: int | None = None
+    ) -> None:
         """Add one sample; `cursor` is the source position just after it (JSON-able).
+
+        Under a mixture (see `mix_now`), `source` names the sample's source and `mix` the version
+        of the mix the open batch is composed for (the same for every sample of a global batch);
+        a TGB whose mix is no longer in force at the step it would take is never committed
+        (MixChanged).
 
         Awaits while too many bytes are in flight. Raises InvalidSample for a sample or cursor that
         cannot be stored (nothing is added), ProducerFenced if a newer incarnation registered, and
@@ -198,6 +216,11 @@ class Producer:
             self._costs += [0.0] * (len(self._samples) - len(self._costs)) + [cost]
         elif self._costs:
             self._costs.append(0.0)
+        if self._samples and mix != self._mix:
+            raise InvalidSample(f"producer {self.id!r}: sample {enc.key!r} is for mix {mix}, its batch for {self._mix}")
+        self._mix = mix
+        if source is not None:
+            self._sources[source] = self._sources.get(source, 0) + 1
         self._samples.append(enc)
         self._keys.add(enc.key)
         self._last_cursor = cursor
@@ -265,7 +288,11 @@ class Producer:
         samples, self._samples = self._samples, []
         costs, self._costs = (self._costs or None), []
         self._keys = set()
-        tgb = _Tgb(self._next_seq, samples, costs, self._last_cursor, sum(s.nbytes for s in samples), self._clock())
+        sources, self._sources = (tuple(sorted(self._sources.items())) if self._sources else None), {}
+        tgb = _Tgb(
+            self._next_seq, samples, costs, self._last_cursor, sum(s.nbytes for s in samples), self._clock(),
+            self._mix, sources,
+        )  # fmt: skip
         self._next_seq += 1
         while self._inflight and self._inflight + tgb.nbytes > self._max_inflight:
             self._check()
@@ -283,7 +310,7 @@ class Producer:
             key = segment_key(self.id, self.epoch, tgb.seq, self._wall())
             await retry(lambda: self.store.put(key, data), attempts=None)
             ranks_ref = tuple((r[0], r[1], r[2], r[3]) for r in slices)
-            tgb.ref, tgb.samples = TgbRef(key, ranks_ref, tgb.cursor), []
+            tgb.ref, tgb.samples = TgbRef(key, ranks_ref, tgb.cursor, tgb.mix, tgb.sources), []
             self.stats.bytes_uploaded += len(data)
             self._notify()
         except Exception as e:

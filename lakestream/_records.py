@@ -10,6 +10,7 @@ is the decisions' (`_decisions`).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ __all__ = [
     "CheckpointRecord",
     "CommitRecord",
     "CreateRecord",
+    "MixRecord",
     "ReclaimRecord",
     "Record",
     "RecordError",
@@ -72,14 +74,22 @@ class RegisterRecord:
 
 @dataclass(frozen=True, slots=True)
 class TgbRef:
-    """One TGB of a commit: its segment, each rank's (offset, length, crc32, samples), the cursor."""
+    """One TGB of a commit: its segment, each rank's (offset, length, crc32, samples), the cursor;
+    under a mixture, the version of the `mix` record it was sealed for and its samples per source."""
 
     segment: str
     ranks: tuple[tuple[int, int, int, int], ...]
     cursor: Any = None
+    mix: int | None = None
+    sources: tuple[tuple[str, int], ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"segment": self.segment, "ranks": [list(r) for r in self.ranks], "cursor": self.cursor}
+        d = {"segment": self.segment, "ranks": [list(r) for r in self.ranks], "cursor": self.cursor}
+        if self.mix is not None:  # absent outside mixtures: the format of a TGB is unchanged there
+            d["mix"] = self.mix
+        if self.sources is not None:
+            d["sources"] = [list(x) for x in self.sources]
+        return d
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +158,42 @@ class RewindRecord:
         return {"to_step": self.to_step, "ts": self.ts}
 
 
+SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+MAX_SOURCES = 256
+
+
+@dataclass(frozen=True, slots=True)
+class MixRecord:
+    """From step `from_step` on, every TGB holds each named source's share of the global batch
+    (`_batching.mix_counts` of `weights`); it replaces every mix from `from_step` on."""
+
+    from_step: int
+    weights: tuple[tuple[str, float], ...]
+    ts: float = 0.0
+    kind: ClassVar[str] = "mix"
+
+    def members(self) -> dict[str, Any]:
+        return {"from_step": self.from_step, "weights": [list(w) for w in self.weights], "ts": self.ts}
+
+
+def check_weights(weights: Any) -> tuple[tuple[str, float], ...]:
+    """`[[name, weight], ...]` as a tuple, or ValueError: 1 to 256 distinct source names, weights
+    finite and >= 0, adding up to more than 0."""
+    if not isinstance(weights, list | tuple) or not 0 < len(weights) <= MAX_SOURCES:
+        raise ValueError(f"weights must be 1 to {MAX_SOURCES} [name, weight] pairs")
+    out = []
+    for w in weights:
+        if not (isinstance(w, list | tuple) and len(w) == 2 and isinstance(w[0], str) and SOURCE_NAME.match(w[0])):
+            raise ValueError(f"bad source weight {w!r:.100}: a name is [A-Za-z0-9][A-Za-z0-9._-]{{0,63}}")
+        v = w[1]
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"source {w[0]!r}: weight {v!r:.40} is not a finite number >= 0")
+        out.append((w[0], float(v)))
+    if len({n for n, _ in out}) != len(out) or not sum(v for _, v in out) > 0:
+        raise ValueError("source names must be distinct and the weights add up to more than 0")
+    return tuple(out)
+
+
 @dataclass(frozen=True, slots=True)
 class ReshapeRecord:
     """From step `from_step` on, steps are read as `world_size` ranks and hold at most
@@ -173,7 +219,7 @@ class ReshapeRecord:
 
 Record = (
     CreateRecord | RegisterRecord | CommitRecord | CheckpointRecord | ReleaseRecord | ReclaimRecord | RewindRecord
-    | ReshapeRecord
+    | ReshapeRecord | MixRecord
 )  # fmt: skip
 
 
@@ -230,7 +276,18 @@ def _tgb(f: _Fields, t: Any) -> TgbRef:
             f"{f.what}: bad rank slice {rs!r:.100}",
         )
         out.append((rs[0], rs[1], rs[2], rs[3]))
-    return TgbRef(t["segment"], tuple(out), t.get("cursor"))
+    mix, sources = t.get("mix"), t.get("sources")
+    f.need(mix is None or (type(mix) is int and mix > 0), f"{f.what}: bad mix version {mix!r:.40}")
+    if sources is not None:
+        f.need(
+            isinstance(sources, list) and 0 < len(sources) <= MAX_SOURCES
+            and all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and SOURCE_NAME.match(x[0])
+                    and type(x[1]) is int and x[1] >= 0 for x in sources)
+            and len({x[0] for x in sources}) == len(sources),
+            f"{f.what}: bad sources {sources!r:.100}",
+        )  # fmt: skip
+        sources = tuple((x[0], x[1]) for x in sources)
+    return TgbRef(t["segment"], tuple(out), t.get("cursor"), mix, sources)
 
 
 def decode_record(data: bytes) -> Record:
@@ -276,6 +333,12 @@ def decode_record(data: bytes) -> Record:
         return ReclaimRecord(f.int("below", why=f"reclaim: bad step {r.get('below')!r}"), f.ts())
     if kind == "rewind":
         return RewindRecord(f.int("to_step", -1, why=f"rewind: bad step {r.get('to_step')!r}"), f.ts())
+    if kind == "mix":
+        try:
+            weights = check_weights(r.get("weights"))
+        except ValueError as e:
+            raise RecordError(f"mix: {e}") from None
+        return MixRecord(f.int("from_step", why=f"mix: bad step {r.get('from_step')!r:.40}"), weights, f.ts())
     if kind == "reshape":
         lo, hi = LIMITS["world_size"]
         world = f.int("world_size", lo, why=f"reshape: bad world size {r.get('world_size')!r:.40}")

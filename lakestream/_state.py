@@ -38,12 +38,14 @@ from typing import Any
 
 import orjson
 
+from ._batching import mix_counts
 from ._config import FORMAT_VERSION, LIMITS, Config
 from ._records import (
     PRODUCER_ID,
     CheckpointRecord,
     CommitRecord,
     CreateRecord,
+    MixRecord,
     ReclaimRecord,
     Record,
     RecordError,
@@ -51,6 +53,8 @@ from ._records import (
     ReleaseRecord,
     ReshapeRecord,
     RewindRecord,
+    TgbRef,
+    check_weights,
     decode_record,
 )
 
@@ -142,6 +146,15 @@ def _int(v: Any, lo: int = 0) -> bool:
     return type(v) is int and v >= lo
 
 
+@dataclass(frozen=True, slots=True)
+class Mix:
+    """A mixture in force from `from_step`: the weights of the `mix` record at log `version`."""
+
+    from_step: int
+    version: int
+    weights: tuple[tuple[str, float], ...]
+
+
 @dataclass(slots=True)
 class Checkpoint:
     id: str
@@ -162,6 +175,7 @@ class State:
     rewinds: int = 0
     rejected: list[tuple[int, str]] = field(default_factory=list)
     shapes: list[tuple[int, int, int]] = field(default_factory=list)  # (from step, world, batch), rising step
+    mixes: list[Mix] = field(default_factory=list)  # rising from step
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -183,6 +197,11 @@ class State:
             return self.config.world_size, self.config.global_batch
         _, world, batch = self.shapes[i - 1]
         return world, batch
+
+    def mix_at(self, step: int) -> Mix | None:
+        """The mixture in force at `step`: the newest mix from `step` or before, if any."""
+        i = bisect.bisect_right([m.from_step for m in self.mixes], step)
+        return self.mixes[i - 1] if i else None
 
     def world_at(self, step: int) -> int:
         """The number of ranks `step` is read as."""
@@ -251,6 +270,8 @@ class State:
             _need(r.below <= self.watermark, f"reclaim: step {r.below} is above the watermark {self.watermark}")
         elif isinstance(r, RewindRecord):
             _need(self.first_step - 1 <= r.to_step <= self.head, f"rewind: step {r.to_step} is not retained")
+        elif isinstance(r, MixRecord):
+            _need(r.from_step > self.head, f"mix: step {r.from_step} is committed (the head is {self.head})")
         elif isinstance(r, ReshapeRecord):
             _need(r.from_step >= self.first_step, f"reshape: step {r.from_step} was reclaimed")
             if r.global_batch != self.batch_at(r.from_step):
@@ -279,6 +300,22 @@ class State:
                 end += length
                 samples += n
             _need(0 < samples <= batch, f"commit {pid}: a TGB of {samples} samples (global batch {batch})")
+            self._validate_mix(pid, self.head + 1 + i, t, samples, batch)
+
+    def _validate_mix(self, pid: str, step: int, t: TgbRef, samples: int, batch: int) -> None:
+        """Under a mixture a TGB names the mix it was sealed for and holds each source's share."""
+        m = self.mix_at(step)
+        if m is None:
+            _need(t.mix is None, f"commit {pid}: a TGB sealed for mix version {t.mix} at step {step}, under no mix")
+            return
+        _need(
+            t.mix == m.version, f"commit {pid}: a TGB sealed for mix version {t.mix} at step {step} (mix {m.version})"
+        )
+        shares = mix_counts(m.weights, batch)
+        got = dict(t.sources or ())
+        _need(sum(got.values()) == samples and all(got.get(n, 0) <= c for n, c in shares.items())
+              and got.keys() <= shares.keys() and (samples < batch or got == {n: c for n, c in shares.items() if c}),
+              f"commit {pid}: a TGB with sources {t.sources!r:.200} at step {step} is not the mix's shares")  # fmt: skip
 
     def _apply(self, version: int, r: Record) -> None:
         """Apply a record already validated at `version`."""
@@ -324,8 +361,12 @@ class State:
             # Shapes of reclaimed steps only: keep the one in force at first_step and what follows.
             while len(self.shapes) > 1 and self.shapes[1][0] <= self.first_step:
                 del self.shapes[0]
+            while len(self.mixes) > 1 and self.mixes[1].from_step <= self.first_step:
+                del self.mixes[0]
         elif isinstance(r, RewindRecord):
             self._discard_after(r.to_step)
+        elif isinstance(r, MixRecord):
+            self.mixes = [m for m in self.mixes if m.from_step < r.from_step] + [Mix(r.from_step, version, r.weights)]
         elif isinstance(r, ReshapeRecord):
             new_batch = r.global_batch != self.batch_at(r.from_step)
             self.shapes = [x for x in self.shapes if x[0] < r.from_step] + [(r.from_step, r.world_size, r.global_batch)]
@@ -355,6 +396,7 @@ class State:
             producers={k: ProducerState(**v.to_dict()) for k, v in self.producers.items()},
             checkpoints=[Checkpoint(c.id, c.step, c.version) for c in self.checkpoints],
             rewinds=self.rewinds, rejected=list(self.rejected), shapes=list(self.shapes),
+            mixes=list(self.mixes),
         )  # fmt: skip
 
     # -- snapshots -----------------------------------------------------------------------------
@@ -378,7 +420,9 @@ class State:
             "checkpoints": [[c.id, c.step, c.version] for c in self.checkpoints],
             "rewinds": self.rewinds,
             "rejected": [list(x) for x in self.rejected],
-        } | ({"shapes": [list(x) for x in self.shapes]} if self.shapes else {})  # absent when never reshaped
+        } | ({"shapes": [list(x) for x in self.shapes]} if self.shapes else {}) | (  # absent when never reshaped
+            {"mixes": [[m.from_step, m.version, [list(w) for w in m.weights]] for m in self.mixes]} if self.mixes else {}
+        )  # fmt: skip
 
     @classmethod
     def from_json(cls, data: bytes) -> State:
@@ -451,6 +495,8 @@ class State:
             ok = all(c.id != r.id for c in self.checkpoints)
         elif isinstance(r, ReclaimRecord):
             ok = self.first_step == r.below
+        elif isinstance(r, MixRecord):
+            ok = bool(self.mixes) and self.mixes[-1] == Mix(r.from_step, v, r.weights)
         elif isinstance(r, ReshapeRecord):
             ok = bool(self.shapes) and self.shapes[-1] == (r.from_step, r.world_size, r.global_batch)
         else:
@@ -474,7 +520,7 @@ def _state_from_dict(d: dict[str, Any]) -> State:
 
     O(steps x world size); messages are only formatted for the field that fails.
     """
-    if d.keys() - {"shapes"} != _STATE_KEYS:
+    if d.keys() - {"shapes", "mixes"} != _STATE_KEYS:
         raise _bad(f"members {sorted(d)!r:.200} are not {sorted(_STATE_KEYS)}")
     version, first, rewinds = d["version"], d["first_step"], d["rewinds"]
     for name, v in (("version", version), ("first_step", first), ("rewinds", rewinds)):
@@ -583,7 +629,26 @@ def _state_from_dict(d: dict[str, Any]) -> State:
             raise _bad(f"rejection {raw!r:.200} is not [version, why]")
         rejected.append((raw[0], raw[1]))
 
-    return State(version, config, first, steps, producers, checkpoints, rewinds, rejected, shapes)
+    mixes = _mixes_from(d.get("mixes", []), version)
+    return State(version, config, first, steps, producers, checkpoints, rewinds, rejected, shapes, mixes)
+
+
+def _mixes_from(raw_mixes: Any, version: int) -> list[Mix]:
+    """A snapshot's `mixes`: [[from step, record version, [[name, weight], …]], …], rising from step."""
+    if not isinstance(raw_mixes, list):
+        raise _bad("mixes is not a list")
+    mixes: list[Mix] = []
+    for raw in raw_mixes:
+        if not (isinstance(raw, list) and len(raw) == 3 and _int(raw[0]) and _int(raw[1], 1) and raw[1] <= version):
+            raise _bad(f"mix {raw!r:.100} is not [from step, version, weights]")
+        try:
+            weights = check_weights(raw[2])
+        except ValueError as e:
+            raise _bad(f"mix {raw!r:.100}: {e}") from None
+        if mixes and raw[0] <= mixes[-1].from_step:
+            raise _bad(f"mix {raw!r:.100} out of order")
+        mixes.append(Mix(raw[0], raw[1], weights))
+    return mixes
 
 
 def _shapes_from(raw_shapes: Any) -> list[tuple[int, int, int]]:

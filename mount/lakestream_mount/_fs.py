@@ -243,10 +243,15 @@ class Slice:
     meta: bytes  # the `_meta.json` content
 
     @classmethod
-    def of(cls, raw: lakestream.RawSlice, where: str) -> Slice:
+    def of(cls, raw: lakestream.RawSlice, where: str, world_size: int | None = None) -> Slice:
         e, files = raw.entry, raw.files
         names = check_names(files, where)
         keys = list(dict.fromkeys(f.key for f in files))
+        sources = {  # under a mixture: the source of every sample
+            f.key: bytes(raw.data[f.offset : f.offset + f.length]).decode("utf-8", "replace")
+            for f in files
+            if f.field == layout.SOURCE_FIELD and f.tag == "s" and f.length <= 256
+        }
         meta = orjson.dumps(
             {
                 "step": e.step, "rank": raw.rank, "version": e.version, "producer": e.producer,
@@ -254,7 +259,10 @@ class Slice:
                 "keys": keys,
                 "files": {f"{f.key}.{f.field}": f.length for f in files},
                 "types": {f"{f.key}.{f.field}": f.tag for f in files},
-            },
+                "world_size": world_size if world_size is not None else len(e.ranks),  # the shape of the step
+                "stored_world_size": len(e.ranks),  # the slices it was sealed as (re-sliced when it differs)
+            }
+            | ({"sources": sources} if sources else {}),
             option=orjson.OPT_INDENT_2,
         )  # fmt: skip
         return cls(e, raw.rank, memoryview(raw.data), files, names, meta)
@@ -470,7 +478,7 @@ class LakeFS(pyfuse3.Operations):
     async def _fetch(self, rank: int, entry: lakestream.Step) -> Slice:
         where = f"{self.reader.url} step {entry.step} rank {rank} object {entry.segment}"
         raw = await self.reader.fetch_rank_raw(entry, rank)
-        return await anyio.to_thread.run_sync(Slice.of, raw, where)
+        return await anyio.to_thread.run_sync(Slice.of, raw, where, self.reader.state.world_at(entry.step))
 
     async def _slice(self, node: Node) -> Slice:
         """The slice of a node's TGB: for the one committed now, moving the prefetch window."""
