@@ -14,7 +14,7 @@ See docs/ for the guarantees and the commit protocol.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -163,13 +163,14 @@ async def open_reader(
         yield reader
 
 
-async def verify(target: Target) -> VerifyReport:
+async def verify(target: Target, *, progress: Callable[[str, int, int], None] | None = None) -> VerifyReport:
     """Check every invariant and every checksum of a stream, and every snapshot against a replay of the
-    retained log; problems name step, rank and object."""
+    retained log; problems name step, rank and object. `progress(what, done, total)` is told of each
+    segment checked."""
     async with _store_for(target) as store:
         m = Manifest(store)
         state = await m.load()
-        report = await verify_state(store, state)
+        report = await verify_state(store, state, progress=progress)
         report.problems[:0] = m.problems + [p for p in await m.audit_snapshots() if p not in m.problems]
         return report
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.metadata
 import logging
@@ -12,7 +13,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -28,6 +31,7 @@ from ._errors import LakestreamError
 from ._pacing import DacPolicy
 from ._pipeline import SyntheticSource, produce
 from ._tasks import task_group
+from ._top import Progress, progress
 from .sources import SHUFFLE_WINDOW, DirSource, describe, open_source, parse_shard
 
 __all__ = ["main"]
@@ -99,6 +103,36 @@ def _shard(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(str(e).removeprefix(f"--shard {text!r}: ")) from None
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port (0: any free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (0..65535)")
+    return value
+
+
+def _metrics_options(p: argparse.ArgumentParser, where: str = "") -> None:
+    """--metrics-port and --metrics-addr (the metrics extra)."""
+    at = f"; {where}" if where else ""
+    p.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
+                   help=f"serve Prometheus metrics at http://ADDR:PORT/metrics (the metrics extra){at} "
+                        "(default: none)")  # fmt: skip
+    p.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                   help="the address --metrics-port listens on (0.0.0.0: every interface)")  # fmt: skip
+
+
+def _serve_metrics(a: argparse.Namespace) -> None:
+    """Serve /metrics if --metrics-port was given, saying where on stderr."""
+    if a.metrics_port is not None:
+        from . import metrics
+
+        port = metrics.serve(a.metrics_port, a.metrics_addr)
+        print(f"lakestream {a.command}: metrics at http://{a.metrics_addr}:{port}/metrics", file=sys.stderr)
+
+
 def _version() -> str:
     try:
         return importlib.metadata.version("lakestream")
@@ -167,7 +201,6 @@ def _parser() -> argparse.ArgumentParser:
                           "'train-{000..127}.tar'), parquet:PATH (a file or a directory of .parquet files, one row "
                           "a sample) or dir:PATH (the same as --from-dir PATH); NAME=SPEC, repeated, draws from "
                           "several named sources by the mixture in force (see 'lakestream mix')")  # fmt: skip
-
     p.add_argument("--shard", type=_shard, default="0/1", metavar="I/N",
                    help="--source wds:/parquet:: read files I, I+N, I+2N, ... of the sorted list (producer I of N)")  # fmt: skip
     p.add_argument("--key-column", metavar="COL", default=None,
@@ -211,6 +244,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--on-error", choices=["fail", "skip"], default="fail",
                    help="--map: a record whose function call raises stops the run naming its key (fail) or is "
                         "skipped, counted and listed by --stats-json (skip)")  # fmt: skip
+    _metrics_options(p)
 
     p = sub.add_parser("fleet", help="run N producers on Ray, producer i taking share i/N of the source", description=(
         "Run a fleet of N producer actors on a Ray cluster (--ray-address or RAY_ADDRESS; a local one is "
@@ -236,6 +270,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-address", default=None, metavar="ADDRESS",
                    help="a running Ray cluster (default: RAY_ADDRESS, else a local cluster for this run)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    _metrics_options(p, "actor i serves at PORT + i on its node")
 
     p = sub.add_parser("read", help="write a rank's samples of committed steps to files", description=(
         "Read one rank's slices of committed steps. With --out, step S goes to DIR/<S:012d>/<key>.<field> "
@@ -249,6 +284,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--to-step", type=_nonneg, default=None,
                    help="last step, inclusive; waits for it to commit (default: the head at the start)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object per step, and a summary, one per line")
+    _metrics_options(p)
 
     p = sub.add_parser("status", help="show the manifest state", description=(
         "Show the stream's config, readable steps, producers with their cursors, checkpoints and malformed "
@@ -339,6 +375,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--nonempty", action="store_true", help="mount over a directory that is not empty (hiding its files)"
     )
+    _metrics_options(p)
+
+    p = sub.add_parser("top", help="a live view of a stream from its manifest: steps/s, producers, conflicts, "
+                       "watermark", description=(
+        "Show the stream from its manifest alone (reads only: anyone who can read the stream can run it): the "
+        "head step and steps/s, the producers with their last commit, pace and lost races, the commit conflict "
+        "rate, the TGB size, the checkpoint watermark and how far producers run ahead of it, back-pressure and "
+        "GC. Rates are over each --interval. --once --json prints one JSON object (docs/observability.md lists "
+        "its members)."
+    ))  # fmt: skip
+    p.add_argument("url", help=url_help)
+    p.add_argument("--interval", type=float, default=2.0, metavar="SECONDS", help="seconds between two looks")
+    p.add_argument("--once", action="store_true", help="show one view, after one interval, and exit")
+    p.add_argument("--json", action="store_true", help="print each view as one JSON object (a line)")
 
     p = sub.add_parser("umount", help="unmount a lakestream mount")
     p.add_argument("mountpoint", help="where the stream is mounted")
@@ -387,8 +437,10 @@ async def _produce(a: argparse.Namespace) -> int:
                 scope.cancel()
                 return
 
+    _serve_metrics(a)
     async with task_group() as tg:
         tg.start_soon(on_sigint, tg.cancel_scope)
+        tg.start_soon(_produce_progress, a, producers)
         await _run_producer(a, producers)
         tg.cancel_scope.cancel()
     if interrupted:
@@ -425,6 +477,26 @@ def _open_named(a: argparse.Namespace, spec: str) -> Any:
     return open_source(
         spec, shard=a.shard, key_column=key_column, split=split, epochs=a.epochs, shuffle_seed=a.shuffle_seed
     )
+
+
+async def _produce_progress(a: argparse.Namespace, producers: list[lakestream.Producer]) -> None:
+    """Samples put and steps committed, on a terminal, until cancelled."""
+
+    def show() -> None:
+        if producers:
+            s = producers[0].stats
+            bars.update("samples put", s.samples, a.synthetic)
+            bars.update("TGBs committed", s.tgbs_committed)
+
+    with progress() as bars:
+        if not bars:
+            return
+        try:
+            while True:
+                show()
+                await anyio.sleep(0.25)
+        finally:
+            show()  # the figures at the end, not 0.25 s before it
 
 
 async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Producer]) -> None:
@@ -549,6 +621,7 @@ def _jsonable(value: Any) -> Any:
 
 
 async def _read(a: argparse.Namespace) -> int:
+    _serve_metrics(a)
     out = Path(a.out) if a.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -556,26 +629,33 @@ async def _read(a: argparse.Namespace) -> int:
         start = a.from_step if a.from_step is not None else r.state.first_step
         stop = a.to_step + 1 if a.to_step is not None else r.state.head + 1
         n = nbytes = 0
-        async for batch in r.steps(start, stop):
-            n += 1
-            nbytes += batch.nbytes
-            if out is not None:
-                await anyio.to_thread.run_sync(_write_step, out, batch)
-            keys = [s["__key__"] for s in batch.samples]
-            if a.json:
-                line = {"step": batch.step, "rank": a.rank, "samples": len(batch), "bytes": batch.nbytes, "keys": keys}
-                if out is not None:
-                    line["dir"] = str(out / f"{batch.step:012d}")
-                _print_json(line)
-            elif out is None:
-                shown = ",".join(_safe(k, escape="\\,") for k in keys)
-                print(f"step {batch.step}: {len(batch)} samples ({batch.nbytes} bytes) {shown}")
+        with progress() as bars:
+            async for batch in r.steps(start, stop):
+                n += 1
+                nbytes += batch.nbytes
+                await _show_step(a, out, batch)
+                bars.update("steps read", n, stop - start)
     if a.json:
         _print_json({"summary": True, "rank": a.rank, "steps": n, "bytes": nbytes, "from_step": start,
                      "to_step": stop - 1})  # fmt: skip
     else:
         print(f"rank {a.rank}: {n} steps, {nbytes / 1e6:.1f} MB", file=sys.stderr)
     return 0
+
+
+async def _show_step(a: argparse.Namespace, out: Path | None, batch: lakestream.RankBatch) -> None:
+    """What `read` does with one step: its files under --out, its line on stdout."""
+    if out is not None:
+        await anyio.to_thread.run_sync(_write_step, out, batch)
+    keys = [s["__key__"] for s in batch.samples]
+    if a.json:
+        line = {"step": batch.step, "rank": a.rank, "samples": len(batch), "bytes": batch.nbytes, "keys": keys}
+        if out is not None:
+            line["dir"] = str(out / f"{batch.step:012d}")
+        _print_json(line)
+    elif out is None:
+        shown = ",".join(_safe(k, escape="\\,") for k in keys)
+        print(f"step {batch.step}: {len(batch)} samples ({batch.nbytes} bytes) {shown}")
 
 
 async def _checkpoint(a: argparse.Namespace) -> int:
@@ -629,19 +709,11 @@ async def _reshape(a: argparse.Namespace) -> int:
     return 0
 
 
-def _progress_bar(what: str, done: int, total: int) -> None:
-    """GC's deletions as a bar on stderr (a terminal only)."""
-    if total and sys.stderr.isatty():
-        fill = 30 * done // total
-        end = "\n" if done == total else ""
-        sys.stderr.write(f"\r{what:<18} [{'#' * fill}{'.' * (30 - fill)}] {done}/{total}{end}")
-        sys.stderr.flush()
-
-
 async def _gc(a: argparse.Namespace) -> int:
-    report = await lakestream.gc(
-        a.url, dry_run=a.dry_run, orphan_grace=a.orphan_grace, force_grace=a.force_grace, progress=_progress_bar
-    )
+    with progress() as bars:
+        report = await lakestream.gc(
+            a.url, dry_run=a.dry_run, orphan_grace=a.orphan_grace, force_grace=a.force_grace, progress=bars
+        )
     if a.json:
         _print_json(_as_dict(report))
     else:
@@ -699,8 +771,15 @@ async def _status(a: argparse.Namespace) -> int:
     return 0
 
 
+async def _top(a: argparse.Namespace) -> int:
+    from ._top import run_top
+
+    return await run_top(a.url, interval=a.interval, once=a.once, as_json=a.json)
+
+
 async def _verify(a: argparse.Namespace) -> int:
-    report = await lakestream.verify(a.url)
+    with progress() as bars:
+        report = await lakestream.verify(a.url, progress=bars)
     if a.json:
         _print_json({**_as_dict(report), "ok": report.ok})
         return 0 if report.ok else 1
@@ -732,7 +811,9 @@ def _mount_module() -> ModuleType:
 
 
 def _mount(a: argparse.Namespace) -> int:
-    _mount_module().run_mount(
+    mount = _mount_module()
+    _serve_metrics(a)
+    mount.run_mount(
         a.url, a.mountpoint, ranks=a.ranks, world_size=a.world_size, prefetch=a.prefetch,
         cache_size=a.cache_size, wait=a.wait, nonempty=a.nonempty,
     )  # fmt: skip
@@ -742,15 +823,47 @@ def _mount(a: argparse.Namespace) -> int:
 def _fleet(a: argparse.Namespace) -> int:
     from .ray import run_fleet  # needs the ray extra
 
-    report = run_fleet(
-        a.url, a.source, a.producers, name=a.name, map=a.map, workers_per_producer=a.workers_per_producer,
-        on_error=a.on_error, key_column=a.key_column, split=a.split, epochs=a.epochs, shuffle_seed=a.shuffle_seed,
-        max_restarts=a.max_restarts, ray_address=a.ray_address,
-    )  # fmt: skip
+    with progress() as bars, _fleet_progress(a, bars):
+        report = run_fleet(
+            a.url, a.source, a.producers, name=a.name, map=a.map, workers_per_producer=a.workers_per_producer,
+            on_error=a.on_error, key_column=a.key_column, split=a.split, epochs=a.epochs,
+            shuffle_seed=a.shuffle_seed, max_restarts=a.max_restarts, ray_address=a.ray_address,
+            metrics_port=a.metrics_port, metrics_addr=a.metrics_addr,
+        )  # fmt: skip
     print(orjson.dumps(report.to_dict()).decode() if a.json else report.summary())
     if not report.ok:
         print(f"lakestream fleet: error: {_safe(report.reason())}", file=sys.stderr)
     return 0 if report.ok else 1
+
+
+@contextlib.contextmanager
+def _fleet_progress(a: argparse.Namespace, bars: Progress) -> Iterator[None]:
+    """The fleet's committed TGBs on a terminal, from the manifest (read every second by a thread)."""
+    if not bars:
+        yield
+        return
+    stop = threading.Event()
+    ids = {f"{a.name}-{i}" for i in range(a.producers)}
+
+    def committed() -> int:
+        state = anyio.run(lakestream.load_state, a.url)
+        return sum(p.tgbs for pid, p in state.producers.items() if pid in ids)
+
+    def watch() -> None:
+        try:
+            base = committed()
+            while not stop.wait(1.0):
+                bars.update("TGBs committed", committed() - base)
+        except Exception as e:  # a bar is not worth failing the fleet for
+            logging.getLogger("lakestream").debug("fleet progress: %s", e)
+
+    thread = threading.Thread(target=watch, daemon=True, name="lakestream-fleet-progress")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
 
 
 def _umount(a: argparse.Namespace) -> int:
@@ -761,6 +874,7 @@ def _umount(a: argparse.Namespace) -> int:
 COMMANDS = {
     "init": _init, "produce": _produce, "read": _read, "status": _status, "verify": _verify, "demo": _demo,
     "checkpoint": _checkpoint, "release": _release, "rewind": _rewind, "reshape": _reshape, "mix": _mix, "gc": _gc,
+    "top": _top,
 }  # fmt: skip
 SYNC_COMMANDS = {"mount": _mount, "umount": _umount, "fleet": _fleet}
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import anyio
 
+from . import metrics
 from ._batching import mix_counts
 from ._errors import ConfigMismatch, MixChanged
 from ._layout import KEY_FIELD, SOURCE_FIELD
@@ -128,6 +129,7 @@ async def produce(
             async with open_producer(target, producer_id, **options) as p:
                 if on_open is not None:
                     on_open(p)
+                metrics.track_map(p.store.url, producer_id, mapped)
                 start = p.cursor
                 if named is None:
                     if p.mix_now()[1] is not None:

@@ -26,6 +26,7 @@ import anyio.to_thread
 import orjson
 
 from . import _decisions as decisions
+from . import metrics
 from ._batching import assign_ranks
 from ._errors import InvalidSample, ObjectNotFound, ProducerFenced, SegmentLost
 from ._layout import COST_FIELD, segment_key
@@ -126,6 +127,7 @@ class Producer:
         self._flushing = 0
         self._error: BaseException | None = None
         self._tg: anyio.abc.TaskGroup | None = None
+        self._metrics = metrics.producer(self)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -156,6 +158,7 @@ class Producer:
 
     async def _register(self) -> int | None:
         result = await self.manifest.append(lambda st, _: decisions.register(st, self.id, self._token, self._wall()))
+        self._metrics.appended(result)
         p = self.manifest.state.producers[self.id]
         if p.token != self._token:  # pragma: no cover - append guarantees it
             raise ProducerFenced(f"{self.manifest.url}: producer {self.id!r} could not register")
@@ -308,7 +311,8 @@ class Producer:
             ranks = assign_ranks(tgb.costs, len(tgb.samples), state.world_at(state.head + 1))
             data, slices = await anyio.to_thread.run_sync(encode_segment, [[tgb.samples[i] for i in r] for r in ranks])
             key = segment_key(self.id, self.epoch, tgb.seq, self._wall())
-            await retry(lambda: self.store.put(key, data), attempts=None)
+            await retry(lambda: self.store.put(key, data), attempts=None, on_error=self._metrics.upload_failed)
+            self._metrics.uploaded(len(data))
             ranks_ref = tuple((r[0], r[1], r[2], r[3]) for r in slices)
             tgb.ref, tgb.samples = TgbRef(key, ranks_ref, tgb.cursor, tgb.mix, tgb.sources), []
             self.stats.bytes_uploaded += len(data)
@@ -354,10 +358,12 @@ class Producer:
             if room > 0:
                 return room
             self.stats.backpressure_waits += 1
+            held = self._clock()
             await anyio.sleep(interval)
             interval = min(interval * 2, 1.0)
             await self.manifest.refresh()
             self._drop_committed(self.manifest.state)
+            self._metrics.held(self._clock() - held)
         return 1 << 30
 
     def _active(self) -> int:
@@ -408,6 +414,7 @@ class Producer:
             self._inflight -= t.nbytes
             self.stats.tgbs_committed += 1
             self.stats.ready_to_visible.append(now - t.sealed_at)
+            self._metrics.committed(t, now - t.sealed_at)
         self._committed_seq = p.seq
         self.cursor = p.cursor
 
@@ -422,6 +429,7 @@ class Producer:
 
         result = await self.manifest.append(decide, fresh=fresh, conflict_delay=self._policy.conflict_delay)
         self.stats.conflicts += result.conflicts
+        self._metrics.appended(result)
         self._drop_committed(self.manifest.state)
         # The slot's latency: the read that found the tail and the put that took it; not the
         # catch-up reads of what others wrote meanwhile, nor waits after lost races.

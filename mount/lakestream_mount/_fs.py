@@ -59,6 +59,7 @@ import pyfuse3
 
 import lakestream
 from lakestream import _layout as layout
+from lakestream import metrics
 from lakestream._retry import Backoff  # the library's one backoff policy (same distribution)
 
 from ._mounts import mounts_at
@@ -156,6 +157,7 @@ def _handler(
             if isinstance(e, lakestream.StepUnavailable):
                 log.info("%s: %s", fn.__name__, e)
                 raise pyfuse3.FUSEError(errno.ENOENT) from None
+            self.metrics.eio(fn.__name__)
             if isinstance(e, lakestream.CorruptData):
                 log.error("%s: %s", fn.__name__, e)
             elif isinstance(e, lakestream.StoreError):
@@ -283,6 +285,7 @@ class SliceCache:
         self.capacity = capacity
         self.nbytes = 0
         self.fetches = 0
+        self.metrics: metrics.MountRecorder = metrics.NOOP_MOUNT  # hits and misses, per rank
         self._slices: OrderedDict[tuple[int, int, int], Slice] = OrderedDict()
         self._pending: dict[tuple[int, int, int], _Pending] = {}
 
@@ -294,9 +297,11 @@ class SliceCache:
         hit = self._slices.get(key)
         if hit is not None:
             self._slices.move_to_end(key)
+            self.metrics.hit(rank)
             return hit
         pending = self._pending.get(key)
         if pending is None:
+            self.metrics.miss(rank)
             pending = self._pending[key] = _Pending()
             try:
                 self.fetches += 1
@@ -309,6 +314,7 @@ class SliceCache:
                 del self._pending[key]
                 pending.done.set()
             return pending.result
+        self.metrics.hit(rank)  # another request's fetch serves this one
         await pending.done.wait()
         if pending.error is not None:
             raise pending.error
@@ -372,6 +378,7 @@ class LakeFS(pyfuse3.Operations):
         self.mountpoint = mountpoint
         self._checked_mount = time.monotonic()
         self._tg: anyio.abc.TaskGroup | None = None
+        self.metrics = self.cache.metrics = metrics.mount(self)
 
     @property
     def state(self) -> lakestream.State:
@@ -477,8 +484,11 @@ class LakeFS(pyfuse3.Operations):
 
     async def _fetch(self, rank: int, entry: lakestream.Step) -> Slice:
         where = f"{self.reader.url} step {entry.step} rank {rank} object {entry.segment}"
+        started = time.perf_counter()
         raw = await self.reader.fetch_rank_raw(entry, rank)
-        return await anyio.to_thread.run_sync(Slice.of, raw, where, self.reader.state.world_at(entry.step))
+        sl = await anyio.to_thread.run_sync(Slice.of, raw, where, self.reader.state.world_at(entry.step))
+        self.metrics.fetch(time.perf_counter() - started)
+        return sl
 
     async def _slice(self, node: Node) -> Slice:
         """The slice of a node's TGB: for the one committed now, moving the prefetch window."""
@@ -491,7 +501,8 @@ class LakeFS(pyfuse3.Operations):
     async def _wait_for(self, step: int) -> bool:
         """True once `step` is committed; False if it is not retained, `wait` ran out, or the
         mount is shutting down."""
-        deadline = time.monotonic() + self.wait
+        started = time.monotonic()
+        deadline = started + self.wait
         self._waiters += 1
         try:
             while step > self.state.head:
@@ -504,6 +515,7 @@ class LakeFS(pyfuse3.Operations):
                     await changed.wait()
         finally:
             self._waiters -= 1
+            self.metrics.waited(time.monotonic() - started)
         return step >= self.state.first_step
 
     def shutdown(self) -> None:
