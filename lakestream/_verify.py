@@ -2,22 +2,26 @@
 
 Besides what `apply` already enforces, verify reads back every retained segment and reports what
 only a whole-stream view can see: a segment that two steps share, a sample key that occurs in more
-than one step or rank (a source that produced a sample twice), and log versions past a hole in the
-log (which no reader ever applies, so they are reported rather than silently ignored).
+than one step or rank (a source that produced a sample twice), log versions past a hole in the
+log (which no reader ever applies, so they are reported rather than silently ignored), and the
+shape and mixture history against the samples themselves: every step holds at most the global batch
+in force at it, and under a mixture its samples' `__source__` fields hold the mix's shares.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import anyio
 
+from ._batching import mix_counts
 from ._errors import CorruptData, ObjectNotFound
-from ._layout import LOG_PREFIX, version_of
+from ._layout import LOG_PREFIX, SOURCE_FIELD, version_of
 from ._retry import retry
-from ._segment import check_slice, index_slice
+from ._segment import check_slice, decode_value, index_slice
 from ._state import State, Step
 from ._store import ObjectStore
 from ._tasks import task_group
@@ -48,7 +52,8 @@ class VerifyReport:
 
 async def _check_step(
     store: ObjectStore, url: str, s: Step, report: VerifyReport, keys: dict[str, tuple[int, int]]
-) -> None:
+) -> Counter[str] | None:
+    """Check one step's segment; the step's samples per `__source__` value (None if unreadable)."""
     # A TGB holds the slices of the world size it was sealed for; a step read as another one is
     # re-sliced by sample counts (`_batching.reslice`), which is why the counts are checked here.
     where = f"{url} step {s.step}"
@@ -57,7 +62,8 @@ async def _check_step(
         data = await retry(lambda: store.get(s.segment))
     except ObjectNotFound:
         report.problems.append(f"{where} ranks 0..{world - 1} object {s.segment}: segment object is missing")
-        return
+        return None
+    sources: Counter[str] = Counter()
     offset = 0
     for rank, r in enumerate(s.ranks):
         at = f"{where} rank {rank} object {s.segment}"
@@ -74,6 +80,10 @@ async def _check_step(
         except CorruptData as e:
             report.problems.append(str(e))
             continue
+        for ref in refs:
+            if ref.field == SOURCE_FIELD:
+                value = decode_value(ref.tag, bytes(view[ref.offset : ref.offset + ref.length]))
+                sources[value if isinstance(value, str) else repr(value)] += 1
         slice_keys = list(dict.fromkeys(ref.key for ref in refs))
         if len(slice_keys) != r.samples:
             report.problems.append(f"{at}: {len(slice_keys)} samples in the slice, the manifest says {r.samples}")
@@ -87,6 +97,27 @@ async def _check_step(
     if offset != len(data):
         report.problems.append(f"{where} object {s.segment}: slices cover {offset} of {len(data)} bytes")
     report.bytes += len(data)
+    return sources
+
+
+def _check_shape(state: State, s: Step, sources: Counter[str], report: VerifyReport) -> None:
+    """The step against the shape and mixture in force at it (`reshape` and `mix` records)."""
+    where = f"{report.url} step {s.step} object {s.segment}"
+    batch = state.batch_at(s.step)
+    if s.samples > batch:
+        report.problems.append(f"{where}: {s.samples} samples, more than the global batch {batch} in force")
+    m = state.mix_at(s.step)
+    if m is None:  # without a mixture, `__source__` is a field like any other
+        return
+    shares = {n: c for n, c in mix_counts(m.weights, batch).items() if c}
+    full = s.samples == batch
+    if sum(sources.values()) != s.samples or any(
+        sources[n] > shares.get(n, 0) or (full and sources[n] != shares.get(n, 0)) for n in sources.keys() | shares
+    ):
+        report.problems.append(
+            f"{where}: samples per source {dict(sources)!r:.200} are not the shares {shares!r:.200} "
+            f"of mix version {m.version}"
+        )
 
 
 async def _check_log_tail(store: ObjectStore, state: State, report: VerifyReport) -> None:
@@ -138,7 +169,9 @@ async def verify_state(
     async def one(s: Step) -> None:
         nonlocal checked
         async with limiter:
-            await _check_step(store, store.url, s, report, keys)
+            sources = await _check_step(store, store.url, s, report, keys)
+        if sources is not None:
+            _check_shape(state, s, sources, report)
         checked += 1
         if progress is not None:
             progress("segments checked", checked, len(unique))

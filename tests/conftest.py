@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from s3server import S3Server, WeedNotFound, find_weed
@@ -32,8 +33,16 @@ def s3_url(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
     return s3_server.new_stream()
 
 
+@pytest.fixture(params=["file", "s3"])
+def stream_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh stream URL, once on `file://` and once on the real SeaweedFS server."""
+    return f"file://{tmp_path}/s" if request.param == "file" else str(request.getfixturevalue("s3_url"))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test that uses the S3 server `s3`."""
     for item in items:
-        if "s3_server" in getattr(item, "fixturenames", ()):
+        callspec = getattr(item, "callspec", None)
+        uses_s3 = callspec is not None and callspec.params.get("stream_url") == "s3"
+        if uses_s3 or "s3_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.s3)

@@ -121,13 +121,39 @@ def test_a_tgb_sealed_under_other_weights_is_never_committed() -> None:
         decisions.commit(s, "p", 1, [Pending()], 0, 0.0)  # type: ignore[list-item]
 
 
+def test_verify_checks_each_steps_sources_against_the_mix_in_force(tmp_path: Path) -> None:
+    """The manifest holds each TGB's count per source; verify checks the samples' own `__source__`
+    fields against the shares of the mix in force, so a writer that labels samples wrongly is caught."""
+    url = f"file://{tmp_path}/s"
+
+    async def write(labels: list[str], run: int) -> None:
+        async with lakestream.open_producer(url, "p") as p:
+            version, _ = p.mix_now()
+            for i, (name, label) in enumerate(zip(["a"] * 3 + ["b"] * 1, labels)):
+                await p.put({"__key__": f"{name}-{run}-{i}", "__source__": label}, source=name, mix=version)
+
+    async def setup() -> None:
+        await lakestream.create(url, world_size=2, global_batch=4)
+        await lakestream.mix(url, {"a": 3, "b": 1})
+
+    anyio.run(setup)
+    anyio.run(write, ["a", "a", "a", "b"], 0)
+    assert anyio.run(lakestream.verify, url).ok
+    anyio.run(write, ["a", "a", "b", "b"], 1)  # the manifest says 3 + 1; the samples say 2 + 2
+    report = anyio.run(lakestream.verify, url)
+    assert len(report.problems) == 1 and "step 1" in report.problems[0], report.problems
+    assert "are not the shares {'a': 3, 'b': 1} of mix version" in report.problems[0]
+    r = run_cli("verify", url)
+    assert r.returncode != 0 and "step 1" in r.stdout + r.stderr
+
+
 # -- three sources, a schedule, SIGKILL ---------------------------------------------------------------
 
 SOURCES = {"web": 60, "code": 40, "math": 40}  # samples each (2 tar shards)
 
 
-def test_three_sources_under_a_schedule_of_mixes_with_a_producer_killed(tmp_path: Path) -> None:
-    url = f"file://{tmp_path}/s"
+def test_three_sources_under_a_schedule_of_mixes_with_a_producer_killed(stream_url: str, tmp_path: Path) -> None:
+    url = stream_url
     assert run_cli("init", url, "--world-size", "2", "--global-batch", "10").returncode == 0
     specs = []
     for name, n in SOURCES.items():

@@ -174,8 +174,8 @@ def check_partition(url: str, world: int, start: int, stop: int, want: dict[int,
         assert max(map(len, parts)) - min(map(len, parts)) <= 1
 
 
-def test_a_stream_written_at_4_reads_at_3_and_2_and_4_again(tmp_path: Path) -> None:
-    url = f"file://{tmp_path}/s"
+def test_a_stream_written_at_4_reads_at_3_and_2_and_4_again(stream_url: str, tmp_path: Path) -> None:
+    url = stream_url
     anyio.run(lambda: lakestream.create(url, world_size=4, global_batch=BATCH))
     anyio.run(write_stream, url, STEPS * BATCH)
     at4 = {step: [] for step in range(STEPS)}  # type: dict[int, list[str]]
@@ -223,8 +223,8 @@ def test_a_stream_written_at_4_reads_at_3_and_2_and_4_again(tmp_path: Path) -> N
     assert run_cli("verify", url).returncode == 0
 
 
-def test_the_mount_serves_the_ranks_of_a_reshaped_stream(tmp_path: Path) -> None:
-    url = f"file://{tmp_path}/s"
+def test_the_mount_serves_the_ranks_of_a_reshaped_stream(stream_url: str, tmp_path: Path) -> None:
+    url = stream_url
     anyio.run(lambda: lakestream.create(url, world_size=4, global_batch=BATCH))
     anyio.run(write_stream, url, 3 * BATCH)
     at4 = {s: sorted(k for r in range(4) for k in anyio.run(read_rank, url, r, 4, s, s + 1)[s]) for s in range(3)}
@@ -273,6 +273,30 @@ def test_cost_balancing_by_the_cost_field_and_after_a_reshape_that_divides_the_w
     assert anyio.run(fields) == {"__key__", "x"}  # the cost balanced the ranks; it is not stored
 
 
+def test_verify_checks_every_step_against_the_shape_history(tmp_path: Path) -> None:
+    """A state whose shape history says a smaller global batch than its steps hold (which the
+    manifest never lets happen: a new batch discards the steps from its step) is reported."""
+    from lakestream._store import open_store
+    from lakestream._verify import verify_state
+
+    url = f"file://{tmp_path}/s"
+    anyio.run(lambda: lakestream.create(url, world_size=2, global_batch=BATCH))
+    anyio.run(write_stream, url, 3 * BATCH)
+    assert run_cli("reshape", url, "--world-size", "3", "--from-step", "1").returncode == 0
+
+    async def check(shapes: list[tuple[int, int, int]] | None) -> list[str]:
+        state = await lakestream.load_state(url)
+        if shapes is not None:
+            state.shapes = shapes
+        async with open_store(url) as store:
+            return (await verify_state(store, state)).problems
+
+    assert anyio.run(check, None) == []
+    problems = anyio.run(check, [(1, 3, BATCH), (2, 3, BATCH - 1)])
+    assert len(problems) == 1 and "step 2 object" in problems[0], problems
+    assert f"{BATCH} samples, more than the global batch {BATCH - 1} in force" in problems[0]
+
+
 def keys_by_step(url: str) -> dict[int, list[str]]:
     state = anyio.run(lakestream.load_state, url)
     return {
@@ -282,11 +306,13 @@ def keys_by_step(url: str) -> dict[int, list[str]]:
 
 
 @pytest.mark.parametrize("kill", [False, True])
-def test_a_new_global_batch_while_a_producer_runs_is_re_produced_exactly_once(tmp_path: Path, kill: bool) -> None:
+def test_a_new_global_batch_while_a_producer_runs_is_re_produced_exactly_once(
+    stream_url: str, tmp_path: Path, kill: bool
+) -> None:
     """A reshape to a new global batch lands while a producer commits: the producer is fenced (or
     SIGKILLed around it), the run again resumes from its cursor as of the step before, and every
     sample is in the stream once, the later steps in TGBs of the new size."""
-    url = f"file://{tmp_path}/s"
+    url = stream_url
     n = 400
     anyio.run(lambda: lakestream.create(url, world_size=2, global_batch=8))
     produce = ["produce", url, "--producer-id", "a", "--synthetic", n, "--sample-size", 32, "--rate", 40]
