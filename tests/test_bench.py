@@ -92,3 +92,16 @@ def test_metrics_bench_smoke() -> None:
     assert re.search(r"^recording per TGB: [\d.]+ µs", out, re.M), out[-3000:]
     assert re.search(r"^target metrics cost < 3% .*, per-call estimate: (met|NOT met) \(", out, re.M), out[-3000:]
     assert re.search(r"^target metrics cost < 3% .*, A/B medians: (met|inconclusive|NOT met)", out, re.M), out[-3000:]
+
+
+def test_elastic_bench_smoke() -> None:
+    out = run_bench("elastic.py")  # exits 1 if a re-sliced read lost or repeated a sample, or miscounted
+    # A world size that divides the stored one reads whole slices: exactly the stored bytes, 8 slices of 8.
+    assert re.search(r"^\| 8→4 +\|.*\| +8\.0 / 8 \| +1\.00 \| +1\.000 \| = 1\.00 +\| met +\|$", out, re.M), out[-3000:]
+    for case in ("8→6", "8→7"):  # some slices are fetched by two new ranks: above 1, within the bound
+        row = re.search(rf"^\| {case} +\|.*\| +(\d+\.\d\d) \| +\d\.\d+ \| <= 2\.00 \| met +\|$", out, re.M)
+        assert row and 1.0 < float(row[1]) <= 2.0, (case, out[-3000:])
+    assert re.search(r"^\| 4→8 +\|.*\| +8\.0 / 4 \| +2\.00 \| +2\.000 \|", out, re.M), out[-3000:]
+    for case in ("8→4", "8→6", "8→7", "4→8"):  # samples/s and MB/s of both reads, and their ratio
+        assert re.search(rf"^\| {case} +\|( +[\d,]+ \|){{4}} +\d+\.\d\d \| +[\d.]+\.\.[\d.]+ \|$", out, re.M), case
+    assert re.search(r"^target read amplification 8→4 = 1\.00: met \(1\.00\)$", out, re.M), out[-3000:]
