@@ -20,6 +20,13 @@ readable. `--resume` restores the newest trainer checkpoint, including where the
 continues. `--kill-at S` makes every rank exit abruptly (`os._exit`) when step S arrives, before
 training on it: a crash. Rank 0 appends `step loss` lines to `--losses` (default
 DIR/losses.txt), the loss (averaged over the ranks) as `float.hex`, so runs compare bit for bit.
+`--keys FILE`: every rank appends a `step rank key...` line for each step it trains on.
+
+The world size is torchrun's: nothing here assumes a number of ranks. A stream that exists keeps
+its shape, so a job checkpointed at W ranks resumes at W2 once the stream is reshaped from the
+checkpoint's next step (`lakestream reshape URL --world-size W2 --from-step N`): the dataset's
+state_dict (`{"next_step": N}`) is the same for any world size, and a step not read as W2 ranks
+stops the readers with ConfigMismatch rather than feed them part of it.
 
 Determinism: fixed seeds, `torch.use_deterministic_algorithms(True)`, one thread per process, no
 shuffling or dropout, so a run resumed from a checkpoint computes exactly the losses of a run that
@@ -105,6 +112,22 @@ def save_atomic(obj: Any, path: Path) -> None:
         os.close(fd)
 
 
+async def ensure_stream(url: str, world: int, global_batch: int) -> None:
+    """Create the stream for `world` ranks unless it exists. One that exists keeps its world size
+    (a reshape may have changed it since it was created: the readers check each step's), but its
+    global batch must be `global_batch`, which the producer's sample count assumes."""
+    import lakestream
+
+    try:
+        state = await lakestream.load_state(url)
+    except lakestream.StreamNotFound:
+        await lakestream.create(url, world_size=world, global_batch=global_batch)
+        return
+    batch = state.batch_at(state.head + 1)
+    if batch != global_batch:
+        raise lakestream.ConfigMismatch(f"{url}: the stream's global batch is {batch}, not {global_batch}")
+
+
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     found = sorted(ckpt_dir.glob("ckpt-*.pt"))  # zero-padded step: the last is the newest
     return found[-1] if found else None
@@ -118,7 +141,6 @@ def train(a: argparse.Namespace) -> int:
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader
 
-    import lakestream
     from lakestream.torch import StreamDataset, checkpoint_hook
 
     torch.set_num_threads(1)
@@ -132,7 +154,7 @@ def train(a: argparse.Namespace) -> int:
     producer = None
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        anyio.run(lambda: lakestream.create(a.url, world_size=world, global_batch=a.global_batch))
+        anyio.run(ensure_stream, a.url, world, a.global_batch)
         if a.produce:
             producer = start_producer(a.url, a.steps * a.global_batch, ckpt_dir / "producer.log")
     dist.barrier()  # the stream exists
@@ -155,12 +177,17 @@ def train(a: argparse.Namespace) -> int:
 
     hook = checkpoint_hook(a.url)
     loss_fn = nn.MSELoss()
-    with open(losses_path, "a") if rank == 0 else open(os.devnull, "w") as losses:
+    with (
+        open(losses_path, "a") if rank == 0 else open(os.devnull, "w") as losses,
+        open(a.keys or os.devnull, "a") as keys,
+    ):
         for item in DataLoader(dataset, batch_size=None):
             step = item["step"]
             if step == a.kill_at:
                 dist.barrier()  # every rank got here (rank 0 wrote the previous loss): crash
                 os._exit(KILL_EXIT)
+            keys.write(" ".join([str(step), str(rank), *(s["__key__"] for s in item["samples"])]) + "\n")
+            keys.flush()  # one write of one line to a file opened for appending: ranks' lines do not mix
             x = torch.stack([s["x"] for s in item["samples"]])
             y = torch.stack([s["y"] for s in item["samples"]])
             loss = loss_fn(ddp(x), y)
@@ -209,6 +236,12 @@ def main() -> int:
     t.add_argument("--kill-at", type=int, default=None, metavar="STEP", help="crash (os._exit) when STEP arrives")
     t.add_argument(
         "--losses", default=None, help="rank 0 appends 'step loss.hex()' lines (default CKPT_DIR/losses.txt)"
+    )
+    t.add_argument(
+        "--keys",
+        default=None,
+        metavar="FILE",
+        help="every rank appends 'step rank key...' lines of the steps it trains on",
     )
     t.add_argument("--no-produce", dest="produce", action="store_false", help="do not start the producer")
     p = sub.add_parser("produce", help="produce the synthetic samples 0..N-1 (resumable)")
