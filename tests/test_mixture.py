@@ -222,3 +222,64 @@ async def step_samples(url: str, step: int) -> list[dict[str, Any]]:
         async with lakestream.open_reader(url, rank) as r:
             out += (await r.read_step(step)).samples
     return out
+
+
+# -- two producers, each a shard of every source --------------------------------------------------------
+
+
+def test_two_producers_each_a_shard_of_three_sources_under_a_schedule_one_killed(
+    stream_url: str, tmp_path: Path
+) -> None:
+    """Producers `a` and `b` draw shards 0/2 and 1/2 of every source. Every step holds the shares of
+    the mix in force whichever producer sealed it; `a` is SIGKILLed mid-run and both run again: each
+    producer's samples of each source are a prefix of its shard's order, none twice."""
+    from lakestream.sources import open_source
+
+    url = stream_url
+    assert run_cli("init", url, "--world-size", "2", "--global-batch", "10").returncode == 0
+    specs: dict[str, str] = {}
+    for name, n in SOURCES.items():
+        make_wds(tmp_path / name, 4, n // 4, seed=len(name) + 7)
+        specs[name] = f"wds:{tmp_path}/{name}/train-{{000..003}}.tar"
+    for step, weights in [(0, "web=0.5,code=0.3,math=0.2"), (3, "web=0.2,code=0.2,math=0.6"), (6, "web=1,code=1")]:
+        assert run_cli("mix", url, "--weights", weights, "--from-step", step).returncode == 0
+
+    def produce(pid: str, shard: int) -> list[Any]:
+        args: list[Any] = ["produce", url, "--producer-id", pid, "--shard", f"{shard}/2"]
+        for name, spec in specs.items():
+            args += ["--source", f"{name}={spec}"]
+        return args
+
+    a, b = spawn_cli(*produce("a", 0), "--rate", 30), spawn_cli(*produce("b", 1), "--rate", 30)
+    try:
+        wait_until(lambda: anyio.run(lakestream.load_state, url).head >= 3, what="4 steps")
+        a.send_signal(signal.SIGKILL)
+    finally:
+        for proc in (a, b):
+            if proc is a and proc.poll() is None:
+                proc.kill()
+            proc.communicate(timeout=120)
+    assert a.returncode == -signal.SIGKILL and b.returncode == 0, (a.returncode, b.returncode)
+    for pid, shard in (("a", 0), ("b", 1)):  # the same commands again
+        r = run_cli(*produce(pid, shard))
+        assert r.returncode == 0, describe(r)
+
+    state = anyio.run(lakestream.load_state, url)
+    by_producer: dict[str, list[str]] = {"a": [], "b": []}
+    for step in range(state.head + 1):
+        samples = anyio.run(step_samples, url, step)
+        m = state.mix_at(step)
+        assert m is not None
+        shares = {n: c for n, c in mix_counts(m.weights, 10).items() if c}
+        got = Counter(s["__source__"] for s in samples)
+        assert dict(got) == shares if len(samples) == 10 else all(got[n] <= c for n, c in shares.items()), step
+        by_producer[state.step(step).producer] += [s["__key__"] for s in samples]  # type: ignore[union-attr]
+    keys = by_producer["a"] + by_producer["b"]
+    assert len(keys) == len(set(keys))
+    for pid, shard in (("a", 0), ("b", 1)):
+        assert by_producer[pid], pid
+        for name, spec in specs.items():
+            order = [f"{name}-{s['__key__']}" for s, _ in open_source(spec, shard=(shard, 2)).iterate()]
+            mine = [k for k in by_producer[pid] if k.startswith(name + "-")]
+            assert sorted(mine) == sorted(order[: len(mine)]), (pid, name)
+    assert run_cli("verify", url).returncode == 0
