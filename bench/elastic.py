@@ -22,11 +22,13 @@ of it is re-sliced on read (`_batching.reslice`).
    largest over the steps; the total over all steps, and the stored slices fetched per step
    (W for an unchanged read), are shown beside it. Each reader's own `bytes_fetched` must agree
    with the wrapper, and every step's samples at W2 ranks must be those at W, each once, or the
-   run exits 1. Targets: <= 2.00, and exactly 1.00 where W2 divides W (8→4). One more case,
-   4→8 with a global batch of 250, shows the amplification when W2 > W and the counts do not
-   line up: stored slices of 63, 63, 62, 62 samples, new ranks of 32, 32, then 31; rank 1 needs
-   the first sample of slice 1, which ranks 2 and 3 read too (9 slice fetches where 4→8 with 256
-   has 8).
+   run exits 1. Targets: <= 2.00, and exactly 1.00 where W2 divides W (8→4). Two more cases,
+   8→4 and 4→8 over 2 steps with a global batch of 250, which 8 does not divide, show what
+   happens when the counts do not line up. 8→4: stored slices of 32, 32, then 31 samples, new
+   ranks of 63, 63, 62, 62; rank 0 needs the first sample of slice 1, which rank 1 reads too (9
+   slice fetches, not 8). 4→8: stored slices of 63, 63, 62, 62, new ranks of 32, 32, then 31;
+   rank 1 needs the first sample of slice 1, which ranks 2 and 3 read too (9 slice fetches where
+   4→8 with 256 has 8).
 2. Reader throughput: all ranks of a world, one rank after the other in this process (each a
    `lakestream.open_reader(store, rank, world, prefetch=4)` iterating `Reader.steps` over every
    step: range GETs, CRC-32 checks, decoding), timed from the first iteration to the last batch;
@@ -75,6 +77,7 @@ import lakestream
 from lakestream import ObjectStore, State
 
 CASES = [(8, 4), (8, 6), (8, 7), (4, 8)]
+ODD_CASES = [(8, 4), (4, 8)]  # with a global batch that 8 does not divide
 
 
 # -- counting what the readers fetch ------------------------------------------------------------------
@@ -306,22 +309,23 @@ def speed_row(case: str, runs: dict[bool, list[ReadRun]]) -> list[Any]:
     return [*cols, f"{median(ratios):.2f}", spread]
 
 
-def odd_case(stores: Stores, wl: Workload, pool: list[bytes], problems: list[str]) -> list[Any]:
-    """4→8 with a global batch of `batch - 6` (250; 42 with --smoke): a new rank boundary inside a stored slice."""
+def odd_case(stores: Stores, w: int, w2: int, wl: Workload, pool: list[bytes], problems: list[str]) -> list[Any]:
+    """W→W2 over 2 steps with a global batch of `batch - 6` (250; 42 with --smoke), which 8 does
+    not divide: stored slices of unequal counts, and a new rank boundary inside a stored slice."""
     batch = wl.batch - 6
-    case = f"4→8, batch {batch}"
+    case = f"{w}→{w2}, batch {batch}"
 
     async def go() -> list[Any]:
         sizes = wl.sizes(batch)[: 2 * batch]
-        async with stores.open("odd-unchanged") as base, stores.open("odd-resliced") as resliced:
-            await write_stream(base, 4, batch, sizes, pool)
-            await write_stream(resliced, 4, batch, sizes, pool)
-            state = await lakestream.reshape(resliced, 8, from_step=0)
-            plain = await read_all(base, 4, 2)
-            run = await read_all(resliced, 8, 2)
+        async with stores.open(f"odd{w}-{w2}-unchanged") as base, stores.open(f"odd{w}-{w2}-resliced") as resliced:
+            await write_stream(base, w, batch, sizes, pool)
+            await write_stream(resliced, w, batch, sizes, pool)
+            state = await lakestream.reshape(resliced, w2, from_step=0)
+            plain = await read_all(base, w, 2)
+            run = await read_all(resliced, w2, 2)
             check_same(case, plain, run, problems)
             amp = amplification(state, run.ranges)
-        return amp_row(case, 4, 8, amp)
+        return amp_row(case, w, w2, amp)
 
     return anyio.run(go)
 
@@ -360,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             amp, speed = run_case(stores, w, w2, wl, pool, reps, problems)
             amp_rows.append(amp)
             speed_rows.append(speed)
-        amp_rows.append(odd_case(stores, wl, pool, problems))
+        amp_rows += [odd_case(stores, w, w2, wl, pool, problems) for w, w2 in ODD_CASES]
     print("## 1. Read amplification (bytes fetched by all new ranks / stored bytes of the step)\n")
     headers = ["W→W2", "stored / step", "fetched / step", "slices fetched / step", "amplification (worst step)",
                "all steps", "target", "verdict"]  # fmt: skip
