@@ -305,7 +305,7 @@ class Reader:
         """`rank`'s samples of a committed step as one checked, indexed RawSlice (see `plan`): the
         stored slice itself, or for a re-sliced step its pieces copied into one buffer."""
         pieces = self.plan(entry, rank)
-        if len(pieces) == 1 and pieces[0] == (rank, 0, entry.ranks[rank].samples) and len(entry.ranks) > rank:
+        if len(pieces) == 1 and rank < len(entry.ranks) and pieces[0] == (rank, 0, entry.ranks[rank].samples):
             return await self.fetch_raw(entry, rank)
         parts: list[bytes] = []
         files: list[FieldRef] = []

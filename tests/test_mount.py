@@ -844,11 +844,12 @@ def test_a_corrupt_slice_reads_as_eio_and_the_mount_stays_up(tmp_path: Path, mou
 
 def test_inode_numbers_never_collide_for_any_shape_the_stream_accepts() -> None:
     """Ranks up to 65535, steps past 2^32 and 2^40, slices of 2^24 samples with several fields:
-    every (rank, step, version, file) gets its own number, and a number is never handed out twice,
+    every (rank, step, version, world size, file) gets its own number, and a number is never handed out twice,
     not even after the kernel forgot the node that had it."""
-    from lakestream_mount._fs import RANK_BASE, Inodes
+    from lakestream_mount._fs import MAX_WORLD, RANK_BASE, Inodes
 
     world = 65536
+    assert world == MAX_WORLD
     inodes = Inodes(RANK_BASE + 2 * world)
 
     def entry(step: int, version: int) -> lakestream.Step:
@@ -857,21 +858,21 @@ def test_inode_numbers_never_collide_for_any_shape_the_stream_accepts() -> None:
     keys = {}
     for rank in (0, 1, 2047, 2048, 65535):
         for step in (0, 1, (1 << 32) - 1, 1 << 32, 1 << 40):
-            for version in (5, 6):
+            for version, w in ((5, 65536), (6, 65536), (6, 3)):  # a reshape reads a step as another world size
                 e = entry(step, version)
-                keys["step", rank, step, version, -1] = inodes.get("step", rank, step, e).inode
+                keys["step", rank, step, version, w, -1] = inodes.get("step", rank, step, e, w).inode
                 for index in (-1, 0, 1, (1 << 20) - 1, 1 << 20, (1 << 24) * 4 - 1):
-                    keys["file", rank, step, version, index] = inodes.get("file", rank, step, e, index, 1).inode
+                    keys["file", rank, step, version, w, index] = inodes.get("file", rank, step, e, w, index, 1).inode
     numbers = list(keys.values())
     assert len(set(numbers)) == len(numbers) and min(numbers) >= RANK_BASE + 2 * world
-    node = inodes.get("file", 0, 0, entry(0, 5), 0)
-    assert node.inode == keys["file", 0, 0, 5, 0]  # the same key: the same node
+    node = inodes.get("file", 0, 0, entry(0, 5), world, 0)
+    assert node.inode == keys["file", 0, 0, 5, world, 0]  # the same key: the same node
     node.lookups = 2
     inodes.forget(node.inode, 1)
     assert inodes.nodes.get(node.inode) is node
     inodes.forget(node.inode, 1)
     assert node.inode not in inodes.nodes
-    again = inodes.get("file", 0, 0, entry(0, 5), 0)
+    again = inodes.get("file", 0, 0, entry(0, 5), world, 0)
     assert again.inode not in numbers  # a forgotten number is never reused
 
 

@@ -3,7 +3,9 @@ written at one world size read at others (the reader, `lakestream read`, `Stream
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -242,6 +244,64 @@ def test_the_mount_serves_the_ranks_of_a_reshaped_stream(stream_url: str, tmp_pa
                     assert tree[r, step][f"{key}.bin"] == sample(int(key[1:]))["bin"]
     finally:
         mount.stop()
+
+
+def test_a_mounted_stream_follows_reshapes_while_it_serves(tmp_path: Path) -> None:
+    """Mounted at 4 ranks; reshaped to 3 from step 1 and then to 6 from step 3 while mounted: the
+    root shows the ranks in force, a rank directory lists the steps that have that rank, files
+    read after a reshape hold the re-sliced samples, and a node `--ranks 1,3` serves only those."""
+    url = f"file://{tmp_path}/s"
+    anyio.run(lambda: lakestream.create(url, world_size=4, global_batch=BATCH))
+    anyio.run(write_stream, url, 4 * BATCH)
+    want = {s: sorted(k for r in range(4) for k in anyio.run(read_rank, url, r, 4, s, s + 1)[s]) for s in range(4)}
+    mnt = tmp_path / "mnt"
+    mount = MountProc(url, mnt, tmp_path / "mount.log")
+    part = MountProc(url, tmp_path / "part", tmp_path / "part.log", "--ranks", "1,3")
+
+    def served(root: Path) -> dict[str, list[str]]:
+        return {d: sorted(os.listdir(root / d)) for d in sorted(os.listdir(root)) if d.startswith("rank-")}
+
+    def keys(root: Path, rank: int, step: int) -> list[str]:
+        meta = json.loads((root / f"rank-{rank}" / f"{step:012d}" / "_meta.json").read_bytes())
+        for key in meta["keys"]:  # each file's bytes are the sample's
+            assert (root / f"rank-{rank}" / f"{step:012d}" / f"{key}.bin").read_bytes() == sample(int(key[1:]))["bin"]
+        return list(meta["keys"])
+
+    steps = [f"{s:012d}" for s in range(4)]
+    try:
+        mount.start().wait_ready()
+        part.start().wait_ready()
+        assert served(mnt) == {f"rank-{r}": [*steps, "latest"] for r in range(4)}
+        before = keys(mnt, 0, 2)
+        held = open(mnt / "rank-0" / f"{2:012d}" / f"{before[0]}.bin", "rb")  # noqa: SIM115
+        assert run_cli("reshape", url, "--world-size", "3", "--from-step", "1").returncode == 0
+        wait_until(lambda: json.loads((mnt / "_status.json").read_bytes())["world_size"] == 3, what="the reshape")
+        # rank 3 still has step 0 (read as 4 ranks); steps 1.. are read as 3
+        assert served(mnt) == {**{f"rank-{r}": [*steps, "latest"] for r in range(3)}, "rank-3": [steps[0], "latest"]}
+        for step in range(4):
+            world = 4 if step == 0 else 3
+            assert sorted(k for r in range(world) for k in keys(mnt, r, step)) == want[step], step
+        assert keys(mnt, 0, 2) != before  # the same step, read as 3 ranks, holds other samples per rank
+        try:  # a file opened before reads its own bytes or is stale
+            assert held.read() == sample(int(before[0][1:]))["bin"]
+        except OSError as e:
+            assert e.errno == errno.ESTALE
+        finally:
+            held.close()
+
+        assert run_cli("reshape", url, "--world-size", "6", "--from-step", "3").returncode == 0
+        wait_until(lambda: json.loads((mnt / "_status.json").read_bytes())["world_size"] == 6, what="the reshape")
+        assert sorted(served(mnt)) == [f"rank-{r}" for r in range(6)]
+        assert served(mnt)["rank-5"] == [steps[3], "latest"] and served(mnt)["rank-3"] == [steps[0], steps[3], "latest"]
+        assert sorted(k for r in range(6) for k in keys(mnt, r, 3)) == want[3]
+        wait_until(lambda: json.loads((tmp_path / "part" / "_status.json").read_bytes())["world_size"] == 6, what="it")
+        assert served(tmp_path / "part") == {"rank-1": [*steps, "latest"], "rank-3": [steps[0], steps[3], "latest"]}
+        assert keys(tmp_path / "part", 3, 3) == keys(mnt, 3, 3)
+        assert not (tmp_path / "part" / "rank-0").exists()
+    finally:
+        for m in (part, mount):
+            if m.proc is not None:
+                m.stop()
 
 
 def test_cost_balancing_by_the_cost_field_and_after_a_reshape_that_divides_the_world(tmp_path: Path) -> None:

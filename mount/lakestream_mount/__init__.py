@@ -55,8 +55,12 @@ async def _serve(url: str, mountpoint: str, ranks_spec: str, world_size: int | N
     from ._fs import LakeFS
 
     async with lakestream.open_reader(url, None, world_size, prefetch=0) as reader:
-        assert reader.world_size is not None
-        ranks = parse_ranks(ranks_spec, reader.world_size)
+        # `all` follows the ranks in force as the stream is reshaped; listed ranks are checked
+        # against the largest world size the stream has had or is scheduled to have
+        state = reader.state
+        assert state.config is not None
+        widest = max([state.config.world_size, *(w for _, w, _ in state.shapes)])
+        ranks = None if ranks_spec == "all" else parse_ranks(ranks_spec, widest)
         fs = LakeFS(reader, ranks, mountpoint=mountpoint, **options)  # type: ignore[arg-type]
         opts = set(pyfuse3.default_options) | {"fsname=lakestream", "subtype=lakestream", "ro"}
         pyfuse3.init(fs, mountpoint, opts)

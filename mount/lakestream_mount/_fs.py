@@ -8,8 +8,8 @@
 Theory of operation.
 
 - Inodes. The root, `_status.json`, every rank directory and `latest` have fixed numbers below
-  `RANK_BASE + 2 * world_size`. Everything else is a `Node` of one TGB: a step directory or one of
-  its files, tied to the (rank, step, manifest version) it was looked up at. Its number is drawn
+  `RANK_BASE + 2 * MAX_WORLD`. Everything else is a `Node` of one TGB: a step directory or one of
+  its files, tied to the (rank, step, manifest version, world size) it was looked up at. Its number is drawn
   from a counter that never goes back, so no two nodes ever share one, whatever the world size,
   step number or files per slice; a node is dropped when the kernel forgets it (lookup count 0).
   A node's content never changes, so the kernel may cache its entry, attributes and pages for as
@@ -21,6 +21,10 @@ Theory of operation.
   the new TGB or nothing), and the kernel is told to drop the entries of such step names. A file
   opened before keeps reading its own TGB's bytes (checked again if refetched) or fails with
   ESTALE once they are gone; it never reads another TGB's.
+- Reshapes. The root shows `rank-<r>` for the ranks in force (at a retained step or the next
+  one) among those served (`--ranks`); a rank directory lists the steps that have that rank. A
+  reshape that changes how committed steps are read makes their nodes stale just as a rewind
+  does: the same step read as another world size holds other samples per rank.
 - Waiting. The kernel serialises lookups within a directory (pyfuse3 does not negotiate
   parallel directory operations), so a lookup must never wait. A lookup of a step that is not
   committed yet answers at once with a `pending` directory node and zero timeouts; the kernel
@@ -60,6 +64,7 @@ import pyfuse3
 import lakestream
 from lakestream import _layout as layout
 from lakestream import metrics
+from lakestream._config import LIMITS
 from lakestream._retry import Backoff  # the library's one backoff policy (same distribution)
 
 from ._mounts import mounts_at
@@ -71,6 +76,7 @@ log = logging.getLogger("lakestream.mount")
 ROOT = pyfuse3.ROOT_INODE
 STATUS = 2
 RANK_BASE = 16  # rank r: directory RANK_BASE + 2r, `latest` RANK_BASE + 2r + 1; nodes above them all
+MAX_WORLD = LIMITS["world_size"][1]
 META = -1  # the file index of `_meta.json`
 FOREVER = 24 * 3600.0
 EXPIRED_GRACE = 0.5  # seconds a step whose wait ran out is reported missing without a new wait
@@ -180,11 +186,12 @@ class Node:
     rank: int
     step: int
     entry: lakestream.Step | None
+    world: int  # the world size its step is read as (a reshape makes it stale like a rewind)
     index: int = META  # file: index in the slice's files, META for `_meta.json`
     size: int = 0
     lookups: int = 0
     invalidated: bool = False
-    key: tuple[str, int, int, int, int] | None = None  # in `Inodes`, while it can be found by key
+    key: tuple[str, int, int, int, int, int] | None = None  # in `Inodes`, while it can be found by key
 
     @property
     def name(self) -> bytes:
@@ -198,26 +205,33 @@ class Inodes:
     def __init__(self, first: int) -> None:
         self._next = first
         self.nodes: dict[int, Node] = {}
-        self._by_key: dict[tuple[str, int, int, int, int], int] = {}
+        self._by_key: dict[tuple[str, int, int, int, int, int], int] = {}
 
     def get(
-        self, kind: str, rank: int, step: int, entry: lakestream.Step | None, index: int = META, size: int = 0
+        self,
+        kind: str,
+        rank: int,
+        step: int,
+        entry: lakestream.Step | None,
+        world: int,
+        index: int = META,
+        size: int = 0,
     ) -> Node:
-        key = (kind, rank, step, -1 if entry is None else entry.version, index)
+        key = (kind, rank, step, -1 if entry is None else entry.version, world, index)
         inode = self._by_key.get(key)
         if inode is not None:
             return self.nodes[inode]
-        node = Node(self._next, kind, rank, step, entry, index, size, key=key)
+        node = Node(self._next, kind, rank, step, entry, world, index, size, key=key)
         self._next += 1
         self.nodes[node.inode] = node
         self._by_key[key] = node.inode
         return node
 
-    def bind(self, node: Node, entry: lakestream.Step) -> None:
+    def bind(self, node: Node, entry: lakestream.Step, world: int) -> None:
         """A pending node's step committed: it is that TGB's step directory from now on."""
         if node.key is not None:
             del self._by_key[node.key]
-        node.kind, node.entry, node.key = "step", entry, None
+        node.kind, node.entry, node.world, node.key = "step", entry, world, None
 
     def forget(self, inode: int, n: int) -> None:
         node = self.nodes.get(inode)
@@ -280,20 +294,21 @@ class _Pending:
 class SliceCache:
     """A bounded LRU of rank slices of TGBs; concurrent gets of one slice share one fetch."""
 
-    def __init__(self, fetch: Callable[[int, lakestream.Step], Awaitable[Slice]], capacity: int) -> None:
+    def __init__(self, fetch: Callable[[int, lakestream.Step, int], Awaitable[Slice]], capacity: int) -> None:
         self._fetch = fetch
         self.capacity = capacity
         self.nbytes = 0
         self.fetches = 0
         self.metrics: metrics.MountRecorder = metrics.NOOP_MOUNT  # hits and misses, per rank
-        self._slices: OrderedDict[tuple[int, int, int], Slice] = OrderedDict()
-        self._pending: dict[tuple[int, int, int], _Pending] = {}
+        self._slices: OrderedDict[tuple[int, int, int, int], Slice] = OrderedDict()
+        self._pending: dict[tuple[int, int, int, int], _Pending] = {}
 
-    def __contains__(self, key: tuple[int, int, int]) -> bool:
+    def __contains__(self, key: tuple[int, int, int, int]) -> bool:
         return key in self._slices or key in self._pending
 
-    async def get(self, rank: int, entry: lakestream.Step) -> Slice:
-        key = (rank, entry.step, entry.version)  # a rewind gives a step a new TGB at a new version
+    async def get(self, rank: int, entry: lakestream.Step, world: int) -> Slice:
+        # a rewind gives a step a new TGB at a new version; a reshape reads it as another world size
+        key = (rank, entry.step, entry.version, world)
         hit = self._slices.get(key)
         if hit is not None:
             self._slices.move_to_end(key)
@@ -305,7 +320,7 @@ class SliceCache:
             pending = self._pending[key] = _Pending()
             try:
                 self.fetches += 1
-                pending.result = await self._fetch(rank, entry)
+                pending.result = await self._fetch(rank, entry, world)
                 self._insert(key, pending.result)
             except BaseException as e:
                 pending.error = e
@@ -321,14 +336,14 @@ class SliceCache:
         assert pending.result is not None
         return pending.result
 
-    def _insert(self, key: tuple[int, int, int], value: Slice) -> None:
+    def _insert(self, key: tuple[int, int, int, int], value: Slice) -> None:
         self._slices[key] = value
         self.nbytes += len(value.data)
         while self.nbytes > self.capacity and len(self._slices) > 1:
             _, old = self._slices.popitem(last=False)
             self.nbytes -= len(old.data)
 
-    def drop(self, keep: Callable[[int, int, int], bool]) -> None:
+    def drop(self, keep: Callable[[int, int, int, int], bool]) -> None:
         for key in [k for k in self._slices if not keep(*k)]:
             self.nbytes -= len(self._slices.pop(key).data)
 
@@ -340,7 +355,7 @@ class LakeFS(pyfuse3.Operations):
     def __init__(
         self,
         reader: lakestream.Reader,
-        ranks: list[int],
+        ranks: list[int] | None,
         *,
         prefetch: int = 2,
         cache_size: int = 1 << 30,
@@ -351,7 +366,8 @@ class LakeFS(pyfuse3.Operations):
     ) -> None:
         super().__init__()
         self.reader = reader
-        self.ranks = ranks
+        self.served = ranks  # the ranks this node serves when in force (None: all)
+        self._served = frozenset(ranks or ())
         self.prefetch = prefetch
         self.wait = wait
         self.poll_min, self.poll_max = poll_interval
@@ -361,13 +377,15 @@ class LakeFS(pyfuse3.Operations):
         self.cache = SliceCache(self._fetch, cache_size)
         self.uid, self.gid = os.getuid(), os.getgid()
         self.mounted_at = time.time_ns()
-        assert reader.world_size is not None
-        self.inodes = Inodes(RANK_BASE + 2 * reader.world_size)
+        self.inodes = Inodes(RANK_BASE + 2 * MAX_WORLD)
         self._changed = anyio.Event()
         self._poke = anyio.Event()
         self._handles: dict[int, Node | int | bytes] = {}  # fh -> node, fixed inode, or status bytes
         self._next_fh = 0
-        self._cursor = {r: reader.state.head for r in ranks}  # prefetch window start per rank
+        self._cursor: dict[int, int] = {}  # prefetch window start per rank (default: the head at start)
+        self._start = reader.state.head
+        self._shapes = list(reader.state.shapes)
+        self._widest_seen = self._widest()
         self._expired: dict[tuple[int, int], float] = {}  # (rank, step) -> until when its wait counts as run out
         self._rewinds = reader.state.rewinds
         self._first_step = reader.state.first_step
@@ -384,10 +402,34 @@ class LakeFS(pyfuse3.Operations):
     def state(self) -> lakestream.State:
         return self.reader.state
 
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks shown: those served that a retained step, the next one or a scheduled one is read as."""
+        n = self._widest()
+        return list(range(n)) if self.served is None else [r for r in self.served if r < n]
+
+    def _widest(self) -> int:
+        s = self.state
+        assert s.config is not None
+        shapes = [(0, s.config.world_size, 0), *s.shapes]
+        return max(w for i, (_, w, _) in enumerate(shapes) if i + 1 == len(shapes) or shapes[i + 1][0] > s.first_step)
+
+    def _shown(self, rank: int) -> bool:
+        return rank < self._widest() and (self.served is None or rank in self._served)
+
+    def _has(self, rank: int, step: int) -> bool:
+        """Whether `step` has `rank` (as served, and in the world size the step is read as)."""
+        return rank < self.state.world_at(step) and (self.served is None or rank in self._served)
+
     def _current(self, node: Node) -> bool:
-        """Whether the node's TGB is still the committed one of its step."""
+        """Whether the node's TGB is still the committed one of its step, read as the same world size."""
         e = self.state.step(node.step)
-        return e is not None and node.entry is not None and e.version == node.entry.version
+        return (
+            e is not None
+            and node.entry is not None
+            and e.version == node.entry.version
+            and self.state.world_at(node.step) == node.world
+        )
 
     # -- following the manifest and prefetching ----------------------------------------------
 
@@ -437,17 +479,25 @@ class LakeFS(pyfuse3.Operations):
     def _applied(self) -> None:
         """After the manifest moved: forget what a rewind or reclamation made stale, wake waiters, prefetch."""
         s = self.state
-        if s.rewinds != self._rewinds or s.first_step != self._first_step:
+        if s.rewinds != self._rewinds or s.first_step != self._first_step or s.shapes != self._shapes:
             if s.rewinds != self._rewinds:
                 log.warning("rewind to step %d: discarded steps forgotten", s.head)
-            self._rewinds, self._first_step = s.rewinds, s.first_step
-            for r in self.ranks:
+            if s.shapes != self._shapes:
+                log.warning("reshaped: steps from %d on are read as %d ranks", s.shapes[-1][0], s.shapes[-1][1])
+                for r in range(self._widest_seen):  # rank directories no longer shown
+                    if not self._shown(r):
+                        self._invalidate(ROOT, b"rank-%d" % r)
+                self._widest_seen = self._widest()
+            self._rewinds, self._first_step, self._shapes = s.rewinds, s.first_step, list(s.shapes)
+            for r in self._cursor:
                 self._cursor[r] = min(self._cursor[r], s.head)
             self._invalidate_stale()
         self._changed.set()
         self._changed = anyio.Event()
         self._prefetch()
-        self.cache.drop(lambda r, step, v: (e := s.step(step)) is not None and e.version == v)
+        self.cache.drop(
+            lambda r, step, v, w: (e := s.step(step)) is not None and e.version == v and s.world_at(step) == w
+        )
 
     def _invalidate_stale(self) -> None:
         """Tell the kernel to drop the entries of step names whose TGB it knows is no longer the
@@ -455,10 +505,14 @@ class LakeFS(pyfuse3.Operations):
         for node in list(self.inodes.nodes.values()):
             if node.kind == "step" and not node.invalidated and not self._current(node):
                 node.invalidated = True
-                try:
-                    pyfuse3.invalidate_entry_async(RANK_BASE + 2 * node.rank, node.name, ignore_enoent=True)
-                except OSError as e:  # pragma: no cover - depends on the kernel's cache
-                    log.debug("invalidate entry rank %d step %d: %s", node.rank, node.step, e)
+                self._invalidate(RANK_BASE + 2 * node.rank, node.name)
+
+    @staticmethod
+    def _invalidate(parent: int, name: bytes) -> None:
+        try:
+            pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+        except OSError as e:  # pragma: no cover - depends on the kernel's cache
+            log.debug("invalidate entry %s in inode %d: %s", name, parent, e)
 
     def _check_unmounted(self) -> None:
         if self.unmounted():
@@ -471,32 +525,37 @@ class LakeFS(pyfuse3.Operations):
             return
         s = self.state
         for r in self.ranks:
-            for step in range(max(self._cursor[r] + 1, s.first_step), min(s.head, self._cursor[r] + self.prefetch) + 1):
-                entry = s.step(step)
-                if entry is not None and (r, step, entry.version) not in self.cache:
-                    self._tg.start_soon(self._prefetch_one, r, entry)
+            at = self._cursor.get(r, self._start)
+            for step in range(max(at + 1, s.first_step), min(s.head, at + self.prefetch) + 1):
+                entry, world = s.step(step), s.world_at(step)
+                if entry is not None and r < world and (r, step, entry.version, world) not in self.cache:
+                    self._tg.start_soon(self._prefetch_one, r, entry, world)
 
-    async def _prefetch_one(self, rank: int, entry: lakestream.Step) -> None:
+    async def _prefetch_one(self, rank: int, entry: lakestream.Step, world: int) -> None:
         try:
-            await self.cache.get(rank, entry)
+            await self.cache.get(rank, entry, world)
         except Exception as e:  # the read that needs it will fetch again and report
             log.warning("prefetch of rank %d step %d failed: %s", rank, entry.step, _leaf(e))
 
-    async def _fetch(self, rank: int, entry: lakestream.Step) -> Slice:
+    async def _fetch(self, rank: int, entry: lakestream.Step, world: int) -> Slice:
         where = f"{self.reader.url} step {entry.step} rank {rank} object {entry.segment}"
+        if self.state.world_at(entry.step) != world:  # reshaped since it was looked up
+            raise pyfuse3.FUSEError(errno.ESTALE)
         started = time.perf_counter()
         raw = await self.reader.fetch_rank_raw(entry, rank)
-        sl = await anyio.to_thread.run_sync(Slice.of, raw, where, self.reader.state.world_at(entry.step))
+        if self.state.world_at(entry.step) != world:  # reshaped during the fetch: planned for another shape
+            raise pyfuse3.FUSEError(errno.ESTALE)
+        sl = await anyio.to_thread.run_sync(Slice.of, raw, where, world)
         self.metrics.fetch(time.perf_counter() - started)
         return sl
 
     async def _slice(self, node: Node) -> Slice:
         """The slice of a node's TGB: for the one committed now, moving the prefetch window."""
         assert node.entry is not None
-        if node.step > self._cursor[node.rank] and self._current(node):
+        if node.step > self._cursor.get(node.rank, self._start) and self._current(node):
             self._cursor[node.rank] = node.step
             self._prefetch()
-        return await self.cache.get(node.rank, node.entry)
+        return await self.cache.get(node.rank, node.entry, node.world)
 
     async def _wait_for(self, step: int) -> bool:
         """True once `step` is committed; False if it is not retained, `wait` ran out, or the
@@ -571,7 +630,7 @@ class LakeFS(pyfuse3.Operations):
                 "first_step": s.first_step,
                 "version": s.version,
                 "watermark": s.watermark,
-                "world_size": s.config.world_size if s.config else None,
+                "world_size": s.world_at(s.head + 1) if s.config else None,  # in force for the next step
                 "ranks": self.ranks,
                 "producers": {
                     k: {"epoch": p.epoch, "seq": p.seq, "cursor": p.cursor, "last_commit": p.last_ts}
@@ -592,7 +651,7 @@ class LakeFS(pyfuse3.Operations):
         if inode == STATUS:
             return "status", 0
         r, latest = divmod(inode - RANK_BASE, 2)
-        if inode >= RANK_BASE and r in self._cursor:
+        if RANK_BASE <= inode < RANK_BASE + 2 * MAX_WORLD and self._shown(r):
             return ("latest" if latest else "rank"), r
         raise pyfuse3.FUSEError(errno.ENOENT)
 
@@ -610,7 +669,9 @@ class LakeFS(pyfuse3.Operations):
                 self._expired[node.rank, node.step] = now + EXPIRED_GRACE
                 raise pyfuse3.FUSEError(errno.ENOENT)
             if node.kind == "pending":  # not bound by another request meanwhile
-                self.inodes.bind(node, entry)
+                if not self._has(node.rank, node.step):  # reshaped meanwhile to fewer ranks
+                    raise pyfuse3.FUSEError(errno.ENOENT)
+                self.inodes.bind(node, entry, self.state.world_at(node.step))
         if not self._current(node):
             raise pyfuse3.FUSEError(errno.ESTALE)
         return node
@@ -640,13 +701,13 @@ class LakeFS(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.ENOENT)
             assert node.entry is not None
             size = len(sl.meta) if index == META else sl.files[index].length
-            return self._ref(self.inodes.get("file", node.rank, node.step, node.entry, index, size))
+            return self._ref(self.inodes.get("file", node.rank, node.step, node.entry, node.world, index, size))
         kind, r = self._fixed(parent)
         if kind == "root":
             if name == STATUS_NAME:
                 return await self.getattr(STATUS)
-            rank = int(name[5:]) if name.startswith(b"rank-") and name[5:].isdigit() else -1
-            if rank in self._cursor and name == b"rank-%d" % rank:
+            rank = int(name[5:]) if name.startswith(b"rank-") and name[5:].isdigit() and len(name) < 12 else -1
+            if rank >= 0 and self._shown(rank) and name == b"rank-%d" % rank:
                 return await self.getattr(RANK_BASE + 2 * rank)
             raise pyfuse3.FUSEError(errno.ENOENT)
         if kind != "rank":
@@ -657,16 +718,16 @@ class LakeFS(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.ENOENT)
             return await self.getattr(RANK_BASE + 2 * r + 1)
         step = step_of_name(name)
-        if step is None or step < s.first_step:
+        if step is None or step < s.first_step or not self._has(r, step):
             raise pyfuse3.FUSEError(errno.ENOENT)
         entry = s.step(step)
         if entry is not None:
-            return self._ref(self.inodes.get("step", r, step, entry))
+            return self._ref(self.inodes.get("step", r, step, entry, s.world_at(step)))
         if step <= s.head or self.wait <= 0 or self.closing.is_set():
             raise pyfuse3.FUSEError(errno.ENOENT)
         if self._expired.get((r, step), 0.0) > time.monotonic():
             raise pyfuse3.FUSEError(errno.ENOENT)  # its wait just ran out: `ls` does not wait twice
-        return self._ref(self.inodes.get("pending", r, step, None))
+        return self._ref(self.inodes.get("pending", r, step, None, 0))
 
     @_handler
     async def readlink(self, inode: int, ctx: Any = None) -> bytes:
@@ -710,12 +771,12 @@ class LakeFS(pyfuse3.Operations):
         target = self._handles.get(fh)
         if isinstance(target, Node):  # a step directory, as of the TGB it was opened at
             assert target.entry is not None
-            sl = await self.cache.get(target.rank, target.entry)
+            sl = await self.cache.get(target.rank, target.entry, target.world)
             names = [(META_NAME, META), *sl.names.items()]
             for i in range(start_id, len(names)):
                 name, index = names[i]
                 size = len(sl.meta) if index == META else sl.files[index].length
-                node = self.inodes.get("file", target.rank, target.step, target.entry, index, size)
+                node = self.inodes.get("file", target.rank, target.step, target.entry, target.world, index, size)
                 if not self._reply(token, name, node, i + 1):
                     return
             return
@@ -735,8 +796,10 @@ class LakeFS(pyfuse3.Operations):
         if start_id == 0 and s.head >= s.first_step and not pyfuse3.readdir_reply(token, LATEST_NAME, latest, 1):
             return
         for n in range(max(s.first_step, start_id - 1 if start_id > 1 else 0), s.head + 1):
-            entry = s.step(n)
-            if entry is not None and not self._reply(token, b"%012d" % n, self.inodes.get("step", r, n, entry), n + 2):
+            entry, world = s.step(n), s.world_at(n)
+            if entry is None or r >= world:
+                continue
+            if not self._reply(token, b"%012d" % n, self.inodes.get("step", r, n, entry, world), n + 2):
                 return
 
     async def releasedir(self, fh: int) -> None:
