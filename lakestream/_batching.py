@@ -35,18 +35,43 @@ def assign_ranks(costs: Sequence[float] | None, n: int, world_size: int) -> list
 def reslice(counts: Sequence[int], world_size: int) -> list[list[tuple[int, int, int]]]:
     """What each of `world_size` ranks reads of a TGB stored as `len(counts)` rank slices.
 
-    Rank r gets a list of pieces (stored slice, first sample, end sample). With the world size the
-    TGB was sealed for, every rank reads its own slice (the cost balancing of `assign_ranks`
-    holds). Otherwise the slices are taken in rank order as one sequence of samples, cut into
-    `world_size` consecutive runs of n // world_size samples, the first n % world_size runs one
-    longer: the ranks partition the TGB, their counts differ by at most one, and each rank reads
-    only the stored slices its run overlaps. When world_size divides len(counts) and the stored
-    counts are equal, every rank reads whole slices (len(counts) // world_size of them).
+    Rank r gets a list of pieces (stored slice, first sample, end sample), in stored order. The
+    ranks partition the TGB and their counts differ by at most one; each rank fetches (whole,
+    checksummed) only the stored slices its pieces are in. With W stored slices read as W2 ranks:
+
+    - W2 = W: every rank reads its own slice (the cost balancing of `assign_ranks` holds);
+    - W2 divides W: whole slices are dealt round-robin, largest count first (rank r gets the
+      slices at positions r, r + W2, … of that order): every slice is read once, by one rank;
+    - W divides W2: each slice is cut into W2 / W runs (the first ones one longer), rank r
+      getting run r % (W2 / W) of slice r // (W2 / W): every slice is read by W2 / W ranks;
+    - otherwise, or when the stored counts differ by more than one (so the above would not
+      balance): the slices in order as one sequence cut into W2 consecutive runs, the first
+      n % W2 one longer; every new boundary splits at most one slice (at most W + W2 - 1 reads).
     """
+    w = len(counts)
     if world_size < 1 or any(c < 0 for c in counts):
         raise ValueError(f"reslice: world size {world_size}, counts {list(counts)[:8]}")
-    if len(counts) == world_size:
+    if w == world_size:
         return [[(r, 0, c)] if c else [] for r, c in enumerate(counts)]
+    if w and max(counts) - min(counts) <= 1:
+        if w % world_size == 0:
+            order = sorted(range(w), key=lambda i: (-counts[i], i))
+            return [[(i, 0, counts[i]) for i in sorted(order[r::world_size]) if counts[i]] for r in range(world_size)]
+        if world_size % w == 0:
+            k = world_size // w
+            out = []
+            for i, c in enumerate(counts):
+                base, extra = divmod(c, k)
+                first = 0
+                for j in range(k):
+                    take = base + (j < extra)
+                    out.append([(i, first, first + take)] if take else [])
+                    first += take
+            return out
+    return _consecutive(counts, world_size)
+
+
+def _consecutive(counts: Sequence[int], world_size: int) -> list[list[tuple[int, int, int]]]:
     n = sum(counts)
     base, extra = divmod(n, world_size)
     out: list[list[tuple[int, int, int]]] = []

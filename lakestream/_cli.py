@@ -334,7 +334,7 @@ def _parser() -> argparse.ArgumentParser:
         "discards nothing: "
         "steps committed for another world size are re-sliced on read (each rank reads only the stored slices "
         "that hold its samples, checksums verified), the ranks' samples partition every step and their counts "
-        "differ by at most one. Restart the trainer with W2 ranks from a checkpoint before S."
+        "differ by at most one. Restart the trainer with W2 ranks from the checkpoint whose next step is S."
     ))  # fmt: skip
     p.add_argument("url", help=url_help)
     p.add_argument("--world-size", type=int, required=True, metavar="W2", help="the new number of ranks")

@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import pytest
 from cliutil import describe, run_cli, spawn_cli, wait_until
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from mountutil import MountProc, read_tree
 
@@ -44,9 +44,11 @@ def test_reslice_partitions_in_order_with_counts_within_one(counts: list[int], w
     order = [(i, j) for i, c in enumerate(counts) for j in range(c)]
     got = [(i, j) for pieces in plan for i, lo, hi in pieces for j in range(lo, hi)]
     if len(counts) != world:
-        assert got == order  # consecutive runs of the slices in rank order: each sample once
+        assert sorted(got) == order  # each sample once
         sizes = [sum(hi - lo for _, lo, hi in p) for p in plan]
         assert max(sizes) - min(sizes) <= 1
+        assert all(p == sorted(p) for p in plan)  # a rank's pieces in stored order
+        assert reslice(counts, world) == plan  # deterministic
     else:
         assert sorted(got) == order and all(
             p == ([(r, 0, c)] if c else []) for r, (p, c) in enumerate(zip(plan, counts))
@@ -55,12 +57,32 @@ def test_reslice_partitions_in_order_with_counts_within_one(counts: list[int], w
         assert all(0 <= lo < hi <= counts[i] for i, lo, hi in pieces)
 
 
-@given(st.integers(1, 8), st.integers(1, 8), st.integers(1, 64))
-def test_reslice_reads_whole_slices_when_the_new_world_divides_the_old(k: int, w2: int, per: int) -> None:
+@given(st.integers(1, 8), st.integers(1, 8), st.integers(0, 600))
+def test_reslice_reads_whole_slices_once_when_the_new_world_divides_the_old(k: int, w2: int, n: int) -> None:
     w = k * w2
-    plan = reslice([per] * w, w2)
+    counts = stored_counts(n, w)  # as sealed: counts within one, larger first
+    plan = reslice(counts, w2)
     for r, pieces in enumerate(plan):
-        assert pieces == [(i, 0, per) for i in range(r * k, (r + 1) * k)]
+        assert pieces == [(i, 0, counts[i]) for i in range(r, w, w2) if counts[i]]  # whole slices, dealt
+    assert sorted(i for p in plan for i, _, _ in p) == [i for i in range(w) if counts[i]]  # each read once
+
+
+@given(st.integers(1, 8), st.integers(1, 8), st.integers(0, 600))
+def test_reslice_reads_one_slice_a_rank_when_the_old_world_divides_the_new(w: int, k: int, n: int) -> None:
+    counts = stored_counts(n, w)
+    plan = reslice(counts, w * k)
+    assert all(len(p) <= 1 and all(i == r // k for i, _, _ in p) for r, p in enumerate(plan))
+
+
+@given(st.lists(st.integers(0, 50), min_size=2, max_size=12), st.integers(1, 12))
+def test_reslice_of_unequal_counts_still_partitions_and_balances(counts: list[int], world: int) -> None:
+    assume(world != len(counts))  # read as sealed: each rank its own slice, whatever its count
+    plan = reslice(counts, world)  # counts a sealing producer would not write: the consecutive rule
+    sizes = [sum(hi - lo for _, lo, hi in p) for p in plan]
+    assert sum(sizes) == sum(counts) and max(sizes) - min(sizes) <= 1
+    assert sorted((i, j) for p in plan for i, lo, hi in p for j in range(lo, hi)) == [
+        (i, j) for i, c in enumerate(counts) for j in range(c)
+    ]
 
 
 @given(st.integers(1, 16), st.integers(1, 16), st.integers(1, 400))
