@@ -22,7 +22,7 @@ from ._batching import reslice
 from ._errors import ConfigMismatch, CorruptData, ObjectNotFound, StepUnavailable
 from ._manifest import Manifest
 from ._retry import retry
-from ._segment import ChecksumMismatch, FieldRef, check_slice, decode_slice, index_slice
+from ._segment import ChecksumMismatch, FieldRef, check_slice, decode_part, index_slice
 from ._state import State, Step
 from ._store import ObjectStore
 from ._tasks import cancel_task_group, enter_task_group
@@ -289,15 +289,15 @@ class Reader:
             data = await self._get_slice(entry, i)
             r, where = entry.ranks[i], self._where(entry, i)
             try:
-                got = await anyio.to_thread.run_sync(
-                    lambda: decode_slice(data, r.crc32 if self.verify else None, where, raw=self.raw)
+                n, got = await anyio.to_thread.run_sync(
+                    lambda: decode_part(data, r.crc32 if self.verify else None, where, lo, hi, raw=self.raw)
                 )
             except ChecksumMismatch:
                 self._metrics.checksum_failed()
                 raise
-            if len(got) != r.samples:  # what re-slicing counts on; the checksum covers the bytes, not the manifest
-                raise CorruptData(f"{where}: the slice holds {len(got)} samples, the manifest says {r.samples}")
-            samples += got[lo:hi] if (lo, hi) != (0, len(got)) else got
+            if n != r.samples:  # what re-slicing counts on; the checksum covers the bytes, not the manifest
+                raise CorruptData(f"{where}: the slice holds {n} samples, the manifest says {r.samples}")
+            samples += got
             nbytes += r.length
         return RankBatch(entry.step, self.rank, samples, entry.version, entry.producer, nbytes)
 

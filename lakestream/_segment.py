@@ -30,6 +30,7 @@ __all__ = [
     "ChecksumMismatch",
     "EncodedSample",
     "FieldRef",
+    "decode_part",
     "decode_slice",
     "dump_json",
     "encode_sample",
@@ -270,19 +271,40 @@ def decode_slice(
 
     Raises CorruptData naming `where` (and the sample key, when one is at fault).
     """
+    return decode_part(data, crc32, where, raw=raw)[1]
+
+
+def decode_part(
+    data: bytes,
+    crc32: int | None = None,
+    where: str = "rank slice",
+    lo: int = 0,
+    hi: int | None = None,
+    *,
+    raw: bool = False,
+) -> tuple[int, list[dict[str, Any]]]:
+    """(the number of samples in the slice, its samples lo..hi decoded as by `decode_slice`).
+
+    The whole slice is checked (checksum, header, names) and counted; only the samples kept are
+    copied and decoded, which is what a rank reading part of a re-sliced TGB needs.
+    """  # fmt: skip
     if crc32 is not None:
         check_slice(data, crc32, where)
     view = memoryview(data)
     samples: list[dict[str, Any]] = []
-    by_key: dict[str, dict[str, Any]] = {}
-    for ref in index_slice(view, where):
-        sample = by_key.get(ref.key)
+    n, current = 0, None
+    sample: dict[str, Any] | None = None
+    for ref in index_slice(view, where):  # a sample's fields are adjacent and keys unique
+        if ref.key != current:
+            current, n = ref.key, n + 1
+            sample = {KEY_FIELD: ref.key} if lo < n and (hi is None or n <= hi) else None
+            if sample is not None:
+                samples.append(sample)
         if sample is None:
-            sample = by_key[ref.key] = {KEY_FIELD: ref.key}
-            samples.append(sample)
+            continue
         try:
             value = bytes(view[ref.offset : ref.offset + ref.length])
             sample[ref.field] = value if raw else decode_value(ref.tag, value)
         except (ValueError, TypeError) as e:
             raise CorruptData(f"{where} key {ref.key!r} field {ref.field!r}: {e}") from None
-    return samples
+    return n, samples

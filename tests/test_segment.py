@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from lakestream import CorruptData, InvalidSample
 from lakestream._batching import assign_ranks
-from lakestream._segment import decode_slice, encode_sample, encode_segment, index_slice
+from lakestream._segment import decode_part, decode_slice, encode_sample, encode_segment, index_slice
 
 names = st.text(st.characters(codec="utf-8", exclude_characters="/\0."), min_size=1, max_size=20).filter(
     lambda n: n != "__key__"  # the key's own field, not a field name
@@ -40,6 +40,15 @@ def test_round_trip(batch: list[dict], world: int) -> None:
         for i, sample in zip(idx, got):
             assert sample.pop("__key__") == f"k{i}"
             assert sample == batch[i]
+
+
+@given(samples, st.integers(0, 13), st.integers(0, 13), st.booleans())
+def test_a_part_decodes_as_the_whole_slice_cut(batch: list[dict], lo: int, hi: int, raw: bool) -> None:
+    data, slices, _ = encode_all(batch, 1)
+    off, length, crc, count = slices[0]
+    whole = decode_slice(data[off : off + length], crc, raw=raw)
+    assert decode_part(data[off : off + length], crc, "s", lo, hi, raw=raw) == (count, whole[lo:hi])
+    assert decode_part(data[off : off + length], crc, "s", lo, raw=raw) == (count, whole[lo:])
 
 
 @settings(max_examples=50)
