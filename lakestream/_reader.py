@@ -319,10 +319,13 @@ class Reader:
                     f"the manifest says {entry.ranks[i].samples}"
                 )
             keep = [f for group in groups[lo:hi] for f in group]
+            if not keep:
+                continue
+            start, end = keep[0].offset, keep[-1].offset + keep[-1].length  # fields lie in order in the payload
             for f in keep:
-                files.append(FieldRef(f.key, f.field, f.tag, size + f.offset, f.length))
-            parts.append(raw.data)
-            size += len(raw.data)
+                files.append(FieldRef(f.key, f.field, f.tag, size + f.offset - start, f.length))
+            parts.append(raw.data[start:end])  # only this rank's bytes are kept
+            size += end - start
         return RawSlice(entry, rank, b"".join(parts), files)
 
     async def fetch_raw(self, entry: Step, rank: int) -> RawSlice:
