@@ -23,12 +23,9 @@ of it is re-sliced on read (`_batching.reslice`).
    (W for an unchanged read), are shown beside it. Each reader's own `bytes_fetched` must agree
    with the wrapper, and every step's samples at W2 ranks must be those at W, each once, or the
    run exits 1. Targets: <= 2.00, and exactly 1.00 where W2 divides W (8→4). Two more cases,
-   8→4 and 4→8 over 2 steps with a global batch of 250, which 8 does not divide, show what
-   happens when the counts do not line up. 8→4: stored slices of 32, 32, then 31 samples, new
-   ranks of 63, 63, 62, 62; rank 0 needs the first sample of slice 1, which rank 1 reads too (9
-   slice fetches, not 8). 4→8: stored slices of 63, 63, 62, 62, new ranks of 32, 32, then 31;
-   rank 1 needs the first sample of slice 1, which ranks 2 and 3 read too (9 slice fetches where
-   4→8 with 256 has 8).
+   8→4 and 4→8 over 2 steps with a global batch of 250, which 8 does not divide, check that the
+   rule holds when the stored counts are unequal (8→4: slices of 32, 32, then 31 samples dealt
+   whole to new ranks of 63, 63, 62, 62; 4→8: slices of 63, 63, 62, 62 each cut in two).
 2. Reader throughput: all ranks of a world, one rank after the other in this process (each a
    `lakestream.open_reader(store, rank, world, prefetch=4)` iterating `Reader.steps` over every
    step: range GETs, CRC-32 checks, decoding), timed from the first iteration to the last batch;
