@@ -9,7 +9,9 @@ expanded by the transform), so running the same pipeline again after a crash con
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -171,7 +173,10 @@ async def _feed_mixed(
     rate: float,
     t0: float,
 ) -> int:
-    """Put global batches composed by the mixture in force, until a source ends. Nothing is held back."""
+    """Put global batches composed by the mixture in force, until a source ends. Nothing is held back.
+
+    Each source is read ahead in a thread of its own (`_ReadAhead`); a share takes exactly its count
+    from its source, and what was read beyond it waits there for the next batch."""
     if start is not None and not (isinstance(start, dict) and isinstance(start.get("sources"), dict)):
         raise ConfigMismatch(f"{p.manifest.url}: producer {p.id!r} resumes at {start!r}, not a cursor of named sources")
     cursors: dict[str, Any] = dict(start["sources"]) if start is not None else {}
@@ -182,29 +187,37 @@ async def _feed_mixed(
         at = cursors.get(name)
         it = src.iterate(source_cursor(at, mapped=map is not None))
         its[name] = transform(it, map, start=at, workers=workers, on_error=on_error, stats=mapped) if map else it
+    aheads: dict[str, _ReadAhead] = {}
     n = 0
     try:
+        for name, it in its.items():
+            aheads[name] = _ReadAhead(it, name=f"lakestream-source-{name}")
         while True:
             version, weights = p.mix_now()
             counts = mix_counts(weights or [(name, 1.0) for name in sources], p.global_batch)
             if missing := [name for name, c in counts.items() if c and name not in its]:
                 raise ConfigMismatch(f"{p.manifest.url}: the mixture in force draws from {missing}, not given")
             for name, c in counts.items():
-                for _ in range(c):
-                    item = await anyio.to_thread.run_sync(next, its[name], None)
-                    if item is None:
+                while c > 0:
+                    items = await aheads[name].take(c)
+                    if items is None:
                         return 0  # a source ended: the open batch is committed short (each share at most)
-                    sample, cursors[name] = item
-                    doc = {"sources": dict(cursors)}
-                    key = f"{name}-{sample.get(KEY_FIELD, n)}"  # keys of different sources never collide
-                    await p.put({**sample, KEY_FIELD: key, SOURCE_FIELD: name}, cursor=doc, source=name, mix=version)
-                    n += 1
-                    if rate > 0 and (ahead := t0 + n / rate - time.perf_counter()) > 0:
-                        await anyio.sleep(ahead)
+                    c -= len(items)
+                    for sample, cursors[name] in items:
+                        doc = {"sources": dict(cursors)}
+                        key = f"{name}-{sample.get(KEY_FIELD, n)}"  # keys of different sources never collide
+                        await p.put(
+                            {**sample, KEY_FIELD: key, SOURCE_FIELD: name}, cursor=doc, source=name, mix=version
+                        )
+                        n += 1
+                        if rate > 0 and (ahead := t0 + n / rate - time.perf_counter()) > 0:
+                            await anyio.sleep(ahead)
     finally:
         with anyio.CancelScope(shield=True):
-            for it in its.values():
-                if (close := getattr(it, "close", None)) is not None:
+            for name, it in its.items():
+                if name in aheads:
+                    await anyio.to_thread.run_sync(aheads[name].stop)
+                elif (close := getattr(it, "close", None)) is not None:
                     await anyio.to_thread.run_sync(close)
 
 
@@ -212,20 +225,125 @@ async def _feed(p: Producer, it: Iterator[Any], batch: int, rate: float, t0: flo
     """Put every sample of `it`, `batch` at a time (1, or a global batch for drop_last). The samples held back."""
     held: list[tuple[Any, Any]] = []
     n = 0
+    reader = _ReadAhead(it, name="lakestream-source")
     try:
-        while (item := await anyio.to_thread.run_sync(next, it, None)) is not None:
-            held.append(item)
-            if len(held) < batch:
-                continue
-            for sample, cursor in held:
-                await p.put(sample, cursor=cursor)
-                n += 1
-                if rate > 0 and (ahead := t0 + n / rate - time.perf_counter()) > 0:
-                    await anyio.sleep(ahead)
-            held = []
+        while (items := await reader.take()) is not None:
+            for item in items:
+                held.append(item)
+                if len(held) < batch:
+                    continue
+                for sample, cursor in held:
+                    await p.put(sample, cursor=cursor)
+                    n += 1
+                    if rate > 0 and (ahead := t0 + n / rate - time.perf_counter()) > 0:
+                        await anyio.sleep(ahead)
+                held = []
     finally:
-        close = getattr(it, "close", None)  # stop a transform's worker processes with the pipeline
-        if close is not None:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(close)
+        with anyio.CancelScope(shield=True):  # stop a transform's worker processes with the pipeline
+            await anyio.to_thread.run_sync(reader.stop)
     return len(held)
+
+
+READ_AHEAD = 32
+"""The most samples a source is read ahead of the samples the producer has taken from it."""
+
+
+class _ReadAhead:
+    """Reads (sample, cursor) pairs from an iterator in a thread of its own, up to `limit` ahead.
+
+    Why: pulling each sample through its own thread hop (`to_thread.run_sync(next, it)`) costs
+    60-125 µs a sample, more than most sources take to read one. Here the thread reads while the
+    event loop puts, and the event loop takes every pair that is ready at once (`take`), waiting in
+    a thread only when none is. A slow source is never waited on for more than one sample: each
+    pair is available as soon as it was read.
+
+    Exactly once: reading ahead advances no cursor, since a cursor is committed only with a sample
+    that was put. Pairs read ahead and not taken when the run stops are dropped here and read again
+    by the next run, which starts from the committed cursor. An error of the iterator is raised by
+    `take` in its place, after every pair read before it was taken. The iterator is run and closed
+    (`stop`) only in the reading thread.
+    """
+
+    def __init__(self, it: Iterator[Any], *, limit: int | None = None, name: str = "lakestream-source") -> None:
+        limit = READ_AHEAD if limit is None else limit
+        if limit < 1:
+            raise ValueError(f"read-ahead limit {limit}: expected >= 1")
+        self._it = it
+        self._limit = limit
+        self._items: collections.deque[Any] = collections.deque()
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None  # what the iterator raised, once the pairs before it are taken
+        self._close_error: BaseException | None = None
+        self._done = False  # the thread reads no more: the iterator ended, failed, or was stopped
+        self._stopping = False
+        self._thread = threading.Thread(target=self._read, name=name, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        it, cond, items = self._it, self._cond, self._items
+        try:
+            while True:
+                with cond:
+                    while len(items) >= self._limit and not self._stopping:
+                        cond.wait()
+                    if self._stopping:
+                        return
+                try:
+                    item = next(it)
+                except StopIteration:
+                    return
+                except BaseException as e:
+                    with cond:
+                        self._error = e
+                    return
+                with cond:
+                    items.append(item)
+                    cond.notify_all()
+        finally:
+            try:
+                if (close := getattr(it, "close", None)) is not None:
+                    close()  # a transform stops its worker processes
+            except BaseException as e:
+                self._close_error = e
+            finally:
+                with cond:
+                    self._done = True
+                    cond.notify_all()
+
+    def _ready(self, most: int) -> list[Any] | None:
+        """Up to `most` pairs read, [] when none is yet; None at the end. Raises the iterator's error."""
+        with self._cond:
+            if self._items:
+                k = min(most, len(self._items))
+                out = [self._items.popleft() for _ in range(k)]
+                self._cond.notify_all()
+                return out
+            if not self._done:
+                return []
+            if self._error is not None:
+                raise self._error
+            return None
+
+    def _wait(self) -> None:
+        with self._cond:
+            while not self._items and not self._done:
+                self._cond.wait()
+
+    async def take(self, most: int = 1 << 30) -> list[Any] | None:
+        """The next pairs read, at least one and at most `most`, waiting for one if none is ready yet;
+        None once the iterator ended. Raises the iterator's error once the pairs before it are taken."""
+        out = self._ready(most)
+        if out == []:
+            await anyio.to_thread.run_sync(self._wait, abandon_on_cancel=True)
+            out = self._ready(most)
+        return out
+
+    def stop(self) -> None:
+        """Read no more, wait for the sample being read, close the iterator (blocks: run it in a thread).
+        Raises what closing the iterator raised."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join()
+        if self._close_error is not None:
+            raise self._close_error
