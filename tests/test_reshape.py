@@ -423,3 +423,40 @@ def test_a_new_global_batch_while_a_producer_runs_is_re_produced_exactly_once(
     assert sorted(keys) == sorted(f"a-{i:09d}" for i in range(n)) and len(set(keys)) == n
     assert all(len(steps[s]) == 8 for s in range(6)) and all(len(steps[s]) <= 6 for s in steps if s >= 6)
     assert run_cli("verify", url).returncode == 0
+
+
+def test_a_new_global_batch_with_two_producers_one_sigkilled_is_re_produced_exactly_once(tmp_path: Path) -> None:
+    """Two producers commit; one is SIGKILLed, and a new global batch from a committed step lands
+    while the other runs (it is fenced). Both run again: every sample of both is in the stream once,
+    the steps before the change in TGBs of the old size, those after in TGBs of the new."""
+    url = f"file://{tmp_path}/s"
+    n = 300
+    anyio.run(lambda: lakestream.create(url, world_size=2, global_batch=8))
+
+    def produce(pid: str) -> list[Any]:
+        return ["produce", url, "--producer-id", pid, "--synthetic", n, "--sample-size", 32]
+
+    a, b = spawn_cli(*produce("a"), "--rate", 30), spawn_cli(*produce("b"), "--rate", 30)
+    try:
+        wait_until(lambda: anyio.run(lakestream.load_state, url).head >= 12, what="13 steps")
+        a.kill()
+        a.communicate(timeout=30)
+        head = anyio.run(lakestream.load_state, url).head
+        r = run_cli("reshape", url, "--world-size", "3", "--global-batch", "6", "--from-step", head - 4)
+        assert r.returncode == 0, describe(r)
+        _, err = b.communicate(timeout=60)
+        assert b.returncode != 0 and "fenced" in err.lower(), err
+    finally:
+        for proc in (a, b):
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=30)
+    assert anyio.run(lakestream.load_state, url).head == head - 5
+    for pid in ("a", "b"):
+        run_cli(*produce(pid), check=True)  # the same commands again, at full speed
+    steps = keys_by_step(url)
+    keys = [k for s in sorted(steps) for k in steps[s]]
+    want = sorted(f"{pid}-{i:09d}" for pid in "ab" for i in range(n))
+    assert sorted(keys) == want and len(set(keys)) == len(keys)
+    assert all(len(steps[s]) == 8 for s in range(head - 4)) and all(len(steps[s]) <= 6 for s in steps if s >= head - 4)
+    assert run_cli("verify", url).returncode == 0
