@@ -213,12 +213,17 @@ async def _feed_mixed(
                         if rate > 0 and (ahead := t0 + n / rate - time.perf_counter()) > 0:
                             await anyio.sleep(ahead)
     finally:
-        with anyio.CancelScope(shield=True):
+        with anyio.CancelScope(shield=True):  # every source stopped, even when stopping one fails
+            failed: BaseException | None = None
             for name, it in its.items():
-                if name in aheads:
-                    await anyio.to_thread.run_sync(aheads[name].stop)
-                elif (close := getattr(it, "close", None)) is not None:
-                    await anyio.to_thread.run_sync(close)
+                stop = aheads[name].stop if name in aheads else getattr(it, "close", None)
+                try:
+                    if stop is not None:
+                        await anyio.to_thread.run_sync(stop)
+                except BaseException as e:
+                    failed = failed or e
+            if failed is not None:
+                raise failed
 
 
 async def _feed(p: Producer, it: Iterator[Any], batch: int, rate: float, t0: float) -> int:
@@ -247,6 +252,11 @@ async def _feed(p: Producer, it: Iterator[Any], batch: int, rate: float, t0: flo
 READ_AHEAD = 32
 """The most samples a source is read ahead of the samples the producer has taken from it."""
 
+GATHER = 0.002
+"""Seconds the producer, once a sample is ready after it had to wait, waits for more of them to take
+at once (up to READ_AHEAD): one wait in a thread for several samples of a source a little slower
+than the producer, a sample of a slow one delayed by this much at most."""
+
 
 class _ReadAhead:
     """Reads (sample, cursor) pairs from an iterator in a thread of its own, up to `limit` ahead.
@@ -254,8 +264,8 @@ class _ReadAhead:
     Why: pulling each sample through its own thread hop (`to_thread.run_sync(next, it)`) costs
     60-125 µs a sample, more than most sources take to read one. Here the thread reads while the
     event loop puts, and the event loop takes every pair that is ready at once (`take`), waiting in
-    a thread only when none is. A slow source is never waited on for more than one sample: each
-    pair is available as soon as it was read.
+    a thread only when none is, then for up to GATHER seconds more to take several. A slow source is
+    never waited on for more than one sample.
 
     Exactly once: reading ahead advances no cursor, since a cursor is committed only with a sample
     that was put. Pairs read ahead and not taken when the run stops are dropped here and read again
@@ -275,6 +285,7 @@ class _ReadAhead:
         self._error: BaseException | None = None  # what the iterator raised, once the pairs before it are taken
         self._close_error: BaseException | None = None
         self._done = False  # the thread reads no more: the iterator ended, failed, or was stopped
+        self._want = 0  # the pairs `take` waits for (0: it does not wait)
         self._stopping = False
         self._thread = threading.Thread(target=self._read, name=name, daemon=True)
         self._thread.start()
@@ -298,7 +309,8 @@ class _ReadAhead:
                     return
                 with cond:
                     items.append(item)
-                    cond.notify_all()
+                    if self._want and len(items) >= self._want:
+                        cond.notify_all()
         finally:
             try:
                 if (close := getattr(it, "close", None)) is not None:
@@ -324,17 +336,25 @@ class _ReadAhead:
                 raise self._error
             return None
 
-    def _wait(self) -> None:
-        with self._cond:
-            while not self._items and not self._done:
-                self._cond.wait()
+    def _wait(self, want: int) -> None:
+        """Until a pair is ready (or the reading ended), then until `want` are or GATHER seconds passed."""
+        cond, items = self._cond, self._items
+        with cond:
+            self._want = 1
+            while not items and not self._done:
+                cond.wait()
+            self._want = want
+            deadline = time.monotonic() + GATHER
+            while len(items) < want and not self._done and (left := deadline - time.monotonic()) > 0:
+                cond.wait(left)
+            self._want = 0
 
     async def take(self, most: int = 1 << 30) -> list[Any] | None:
         """The next pairs read, at least one and at most `most`, waiting for one if none is ready yet;
         None once the iterator ended. Raises the iterator's error once the pairs before it are taken."""
         out = self._ready(most)
         if out == []:
-            await anyio.to_thread.run_sync(self._wait, abandon_on_cancel=True)
+            await anyio.to_thread.run_sync(self._wait, min(most, self._limit), abandon_on_cancel=True)
             out = self._ready(most)
         return out
 
