@@ -23,8 +23,8 @@ the file store fsyncs), world size 4, global batch 256, deleted after each run.
     put loop     the source's samples put by a plain loop in the event loop (`open_producer`,
                  `put(sample, cursor=...)`, close): source + the stream's own cost (put, seal,
                  write and fsync the segments, commit);
-    produce      `lakestream.produce(file://..., spec)`: the same through the pipeline (it pulls
-                 each sample from the source in a worker thread).
+    produce      `lakestream.produce(file://..., spec)`: the same through the pipeline (a thread
+                 reads the source ahead; the event loop puts what is ready).
 (b) the map `decode_map` (PIL: decode the JPEG, resize to 128x128 RGB; ~2-4 ms a sample here), on a
     smaller set, for workers 0 (in-process), 1 and 2:
     library+map  the library read with `decode_map` applied in this process (0) or in a pool of
