@@ -40,8 +40,11 @@ trainer side is what is measured. A live run whose producers delivered fewer sam
 than the trainer's demand is marked producer-bound, and the steps/s target does not apply to it.
 Faults: a producer SIGKILLed when rank 0 has done a third of its steps and restarted
 --restart-after seconds later in (b) and (c), with the producers paced at 1.5x the demand so the
-kill lands while they produce; in (a) one DataLoader worker is SIGKILLed. Every run checks the
-keys the trainers saw against the dataset's: each exactly once.
+kill lands while they produce; in (a) one DataLoader worker is SIGKILLed. A fault run also gives
+how many steps were readable ahead of rank 0 at the kill (a Lakestream step from the timestamp of
+the commit record naming it, a broker batch from the time JetStream stored it): what the trainer
+has in hand while the producer is down. `--only faults` runs the fault runs alone. Every run
+checks the keys the trainers saw against the dataset's: each exactly once.
 """
 
 from __future__ import annotations
@@ -377,14 +380,59 @@ class Bench:
         prods = [json.loads(line) for o in pouts if o.exists() for line in o.read_text().splitlines() if line]
         run = Run(name, size, trainers, prods, mode="ahead" if prefill else "live")
         run.extra.update(fault_info, killed_cpu=killed_cpu, launched=t_launch)
+        if producers and not prefill:
+            run.extra["readable"] = self.readable_times(producers, target)
         if mode != "ceiling":
             check_keys(run, data["expected"])
+        if "killed" in fault_info and run.extra.get("readable"):
+            ready, asked = lead_at(run, fault_info["killed"])
+            run.extra["lead_at_kill"] = ready - asked
+            log(f"{name}: at the kill {ready} steps readable, {asked} asked for: the stream was "
+                f"{ready - asked} steps ahead of rank 0")  # fmt: skip
+        if a.trace_dir:
+            a.trace_dir.mkdir(parents=True, exist_ok=True)
+            t0 = trainers[0]
+            (a.trace_dir / f"{tag}.json").write_text(json.dumps({
+                "name": name, "extra": run.extra, "asks": t0["asks"], "stalls": t0["stalls"],
+                "first": t_launch + t0["ttfb_s"], "producers": prods}))  # fmt: skip
         log(f"{name} ({size} px{', prefilled' if prefill else ''}{', fault: ' + fault if fault else ''}): "
             f"{run.steps} steps, {run.steps_per_s:.2f} steps/s, stall p50/p99 {ms(pct(run.stalls(), 50))}/"
             f"{ms(pct(run.stalls(), 99))} ms, data CPU {ms(run.cpu_per_step)} ms/step, first batch {run.ttfb:.2f} s"
             + (f", missing {run.missing}, repeated {run.repeated}" if mode != "ceiling" else "")
             + (f", error: {run.error}" if run.error else ""))  # fmt: skip
         return run
+
+    def readable_times(self, producers: str, target: str) -> list[float]:
+        """Wall times at which rank 0's steps became readable, in step order: a Lakestream step at the
+        timestamp of the commit record naming its TGB, a broker batch when JetStream stored it."""
+        if producers == "lakestream":
+            bucket, _, prefix = target.removeprefix("s3://").partition("/")
+            out: list[float] = []
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=bucket, Prefix=f"{prefix.rstrip('/')}/_lakestream/log/"
+            )
+            for key in sorted(o["Key"] for page in pages for o in page.get("Contents", [])):
+                rec = json.loads(self.client.get_object(Bucket=bucket, Key=key)["Body"].read())
+                if rec.get("kind") == "commit":
+                    out += [float(rec["ts"])] * len(rec["tgbs"])
+            return out
+        return asyncio.run(self._nats_times())
+
+    async def _nats_times(self) -> list[float]:
+        import nats
+
+        nc = await nats.connect(self.nats_url)
+        try:
+            js = nc.jetstream(timeout=30)
+            info = await js.stream_info("E2E")
+            out = []
+            for seq in range(info.state.first_seq, info.state.last_seq + 1):
+                m = await js.get_msg("E2E", seq)
+                if m.subject == "e2e.rank.0" and m.time is not None:
+                    out.append(m.time.timestamp())
+            return out
+        finally:
+            await nc.close()
 
     # -- the pipelines
 
@@ -568,6 +616,15 @@ def fault_window(run: Run) -> tuple[list[float], list[float]]:
     return during, other
 
 
+def lead_at(run: Run, when: float) -> tuple[int, int]:
+    """(steps readable, steps rank 0 had asked for) at wall time `when`: the stream's lead is their
+    difference."""
+    t = run.trainers[0]
+    first = run.extra["launched"] + t["ttfb_s"]
+    asked = 1 + sum(1 for ask in t["asks"][1:] if first + ask <= when)
+    return sum(1 for r in run.extra.get("readable", []) if r <= when), asked
+
+
 def pipeline_rows(runs: list[Run], ceiling: Run) -> list[list[str]]:
     rows = []
     for r in runs:
@@ -663,8 +720,13 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2, help="DataLoader workers for (a) and (d) (default 2)")
     ap.add_argument("--prefetch", type=int, default=4, help="batches read ahead, every pipeline (default 4)")
     ap.add_argument("--restart-after", type=float, default=3.0, help="seconds before a killed producer restarts")
-    ap.add_argument("--only", default="a,b,mount,c,d,faults,sweep", help="parts to run (comma list)")
+    ap.add_argument(
+        "--only",
+        default="a,b,mount,c,d,faults,sweep",
+        help="parts to run (comma list; `faults` alone: just the fault runs)",
+    )
     ap.add_argument("--plot-dir", type=Path, help="write e2e_sweep.png and e2e_faults.png here")
+    ap.add_argument("--trace-dir", type=Path, help="write each run's per-step asks, stalls and readable times here")
     ap.add_argument("--proj-accels", type=int, default=64, help="projection: accelerators (default 64)")
     ap.add_argument("--proj-per-node", type=int, default=8, help="projection: accelerators per node (default 8)")
     ap.add_argument(
@@ -779,11 +841,14 @@ def report(a: argparse.Namespace, bench: Bench, sweep: list[int], only: set[str]
         read_runs = [bench.reread(url, size, "(b) Lakestream read path", 0.0), bench.mosaic(size, py, 0.0, remote)[0]]
     faults: list[Run] = []
     if "faults" in only:
-        if col is not None:
+        alone = not only & {"a", "b", "c"}  # `--only faults`: the fault runs of (a), (b) and (c) alone
+        if col is not None or alone:
             faults.append(bench.colocated(size, fault="worker"))
-        if stream is not None:
+        if stream is not None or alone:
             faults.append(bench.lakestream(size, fault="producer")[0])
-        if nats is not None:
+        if (nats is not None or alone) and shutil.which("nats-server"):
+            if not bench.nats_url:
+                bench.start_nats()
             faults.append(bench.nats(size, fault="producer"))
     points: list[dict[str, Any]] = []
     if "sweep" in only and "a" in only and "b" in only:
@@ -846,11 +911,14 @@ def report(a: argparse.Namespace, bench: Bench, sweep: list[int], only: set[str]
                 what = (f"producer SIGKILLed{' (at 2/3 of its share, before step 1/3)' if 'early' in r.extra else ''}, "
                         f"restarted {a.restart_after:g} s later; " if "killed" in r.extra
                         else r.extra.get("missed", "") + "; ") + ("training went on" if not r.error else r.error)  # fmt: skip
-            rows.append([r.name, what, f"{r.steps}", f"{ms(pct(other, 50))} / {ms(pct(other, 99))}",
+            lead = r.extra.get("lead_at_kill")
+            rows.append([r.name, what, f"{r.steps}", "-" if lead is None else f"{lead}",
+                         f"{ms(pct(other, 50))} / {ms(pct(other, 99))}",
                          f"{ms(pct(during, 50))} / {ms(pct(during, 99))} / {ms(max(during, default=float('nan')))}",
                          f"{r.missing} missing, {r.repeated} repeated of {r.expected}"])  # fmt: skip
-        print(format_table(["pipeline", "what happened", "steps", "stall p50 / p99 ms, outside",
-                            "stall p50 / p99 / max ms, kill to restart + 5 s", "keys"], rows, "llrrrl"))  # fmt: skip
+        print(format_table(["pipeline", "what happened", "steps", "steps readable ahead of rank 0 at the kill",
+                            "stall p50 / p99 ms, outside", "stall p50 / p99 / max ms, kill to restart + 5 s", "keys"],
+                           rows, "llrrrrl"))  # fmt: skip
     if points:
         print()
         print(f"## Decode-cost sweep (demand {a.batch * a.ranks * ceiling.steps_per_s:.0f} samples/s at the ceiling)")
