@@ -238,8 +238,8 @@ def test_two_producers_each_a_shard_of_three_sources_under_a_schedule_one_killed
     url = stream_url
     assert run_cli("init", url, "--world-size", "2", "--global-batch", "10").returncode == 0
     specs: dict[str, str] = {}
-    for name, n in SOURCES.items():
-        make_wds(tmp_path / name, 4, n // 4, seed=len(name) + 7)
+    for name, n in SOURCES.items():  # twice the data: the producer to kill must still be running
+        make_wds(tmp_path / name, 4, n // 2, seed=len(name) + 7)
         specs[name] = f"wds:{tmp_path}/{name}/train-{{000..003}}.tar"
     for step, weights in [(0, "web=0.5,code=0.3,math=0.2"), (3, "web=0.2,code=0.2,math=0.6"), (6, "web=1,code=1")]:
         assert run_cli("mix", url, "--weights", weights, "--from-step", step).returncode == 0
@@ -250,9 +250,13 @@ def test_two_producers_each_a_shard_of_three_sources_under_a_schedule_one_killed
             args += ["--source", f"{name}={spec}"]
         return args
 
-    a, b = spawn_cli(*produce("a", 0), "--rate", 30), spawn_cli(*produce("b", 1), "--rate", 30)
+    def a_committed() -> bool:
+        p = anyio.run(lakestream.load_state, url).producers.get("a")
+        return p is not None and p.tgbs >= 2
+
+    a, b = spawn_cli(*produce("a", 0), "--rate", 12), spawn_cli(*produce("b", 1), "--rate", 12)
     try:
-        wait_until(lambda: anyio.run(lakestream.load_state, url).head >= 3, what="4 steps")
+        wait_until(a_committed, what="2 TGBs of a")
         a.send_signal(signal.SIGKILL)
     finally:
         for proc in (a, b):
