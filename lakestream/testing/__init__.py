@@ -8,6 +8,7 @@
   producer or mount subprocess) that it starts with `python -m lakestream.testing SPEC ARGS…`.
 * `follower(store, on_apply=…)`: a Manifest that calls `on_apply(state)` after each version it
   applies, so a checker sees every version, even a step that a rewind discards within one refresh.
+* `S3Server`: a throwaway SeaweedFS S3 server on loopback (what `lakestream dev-s3` runs).
 * `run_command(argv)` runs the `lakestream` command in this process; `lakestream_command()` is the
   argv that runs it in a subprocess with this interpreter.
 * The store layout a test or benchmark looks at from outside: `LOG_PREFIX`, `SNAPSHOT_PREFIX`,
@@ -29,13 +30,18 @@ from .._manifest import Manifest
 from .._state import State
 from .._store import ObjectStore, set_store_wrapper
 from ._faulty import S3_LIKE, FaultyStore
+from ._s3server import S3Server, WeedNotFound, find_weed, free_ports
 
 __all__ = [
     "LOG_PREFIX",
     "S3_LIKE",
     "SNAPSHOT_PREFIX",
     "FaultyStore",
+    "S3Server",
+    "WeedNotFound",
+    "find_weed",
     "follower",
+    "free_ports",
     "inject_faults",
     "lakestream_command",
     "log_key",
