@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
@@ -441,18 +442,27 @@ async def _produce(a: argparse.Namespace) -> int:
     interrupted: list[int] = []
     producers: list[lakestream.Producer] = []
 
-    async def on_sigint(scope: anyio.CancelScope) -> None:
+    async def on_sigint(run: anyio.CancelScope) -> None:
         with anyio.open_signal_receiver(signal.SIGINT) as signals:
             async for signum in signals:
-                interrupted.append(signum)
-                scope.cancel()
-                return
+                if not interrupted:
+                    interrupted.append(signum)
+                    run.cancel()
+                    continue
+                # Stopping waits for nothing that can hang; should it all the same, a second Ctrl-C ends
+                # the process at once (what is not committed is abandoned, as with SIGKILL: never visible).
+                for child in multiprocessing.active_children():
+                    child.kill()
+                print("lakestream produce: interrupted twice; stopped at once", file=sys.stderr, flush=True)
+                os._exit(130)
 
     _serve_metrics(a)
+    run = anyio.CancelScope()
     async with task_group() as tg:
-        tg.start_soon(on_sigint, tg.cancel_scope)
+        tg.start_soon(on_sigint, run)
         tg.start_soon(_produce_progress, a, producers)
-        await _run_producer(a, producers)
+        with run:
+            await _run_producer(a, producers)
         tg.cancel_scope.cancel()
     if interrupted:
         cursor = describe(producers[0].cursor) if producers else "0"

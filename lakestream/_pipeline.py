@@ -258,6 +258,9 @@ at once (up to READ_AHEAD): one wait in a thread for several samples of a source
 than the producer, a sample of a slow one delayed by this much at most."""
 
 
+STOP_GRACE = 0.2  # seconds a stopping source may take to finish the sample it reads before it is aborted
+
+
 class _ReadAhead:
     """Reads (sample, cursor) pairs from an iterator in a thread of its own, up to `limit` ahead.
 
@@ -364,6 +367,9 @@ class _ReadAhead:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        self._thread.join(STOP_GRACE)
+        if self._thread.is_alive() and (abort := getattr(self._it, "abort", None)) is not None:
+            abort()  # a transform stuck in its function: kill its workers (what they were doing is not wanted)
         self._thread.join()
         if self._close_error is not None:
             raise self._close_error

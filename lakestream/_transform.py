@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MapError", "MapStats", "is_sub_cursor", "load_function", "source_cursor", "transform"]
+__all__ = ["MapError", "MapStats", "Transform", "is_sub_cursor", "load_function", "source_cursor", "transform"]
 
 Sample = dict[str, Any]
 MapFunction = Callable[[Sample], Any]
@@ -145,7 +145,11 @@ def _call_in_worker(sample: Sample) -> tuple[Any, float]:
 
 
 def _results(
-    records: Iterator[tuple[Sample, Any]], spec: str | MapFunction, workers: int, stats: MapStats
+    records: Iterator[tuple[Sample, Any]],
+    spec: str | MapFunction,
+    workers: int,
+    stats: MapStats,
+    pools: list[concurrent.futures.ProcessPoolExecutor],
 ) -> Iterator[tuple[Sample, Any, Any, BaseException | None]]:
     """(record, cursor after it, result, exception) in source order; the function's time goes to `stats`."""
     if workers <= 0:
@@ -166,6 +170,7 @@ def _results(
     with concurrent.futures.ProcessPoolExecutor(
         workers, mp_context=ctx, initializer=_init_worker, initargs=(spec, os.getpid())
     ) as pool:
+        pools.append(pool)
         pending: collections.deque[tuple[Sample, Any, concurrent.futures.Future[Any]]] = collections.deque()
         limit = 4 * workers
         try:
@@ -188,12 +193,42 @@ def _settle(
         stats.seconds += seconds
         return sample, cursor, result, None
     except concurrent.futures.process.BrokenProcessPool:
-        raise
+        raise MapError(
+            f"a --map worker process ended abruptly (killed, out of memory, or it exited) while mapping "
+            f"{_where(sample, cursor)}"
+        ) from None
     except Exception as e:
         return sample, cursor, None, e
 
 
 # -- the stage ---------------------------------------------------------------------------------------
+
+
+class Transform(Iterator[tuple[Sample, Any]]):
+    """The (sample, cursor) pairs of the stage: an iterator that can also be aborted from another thread."""
+
+    def __init__(self, outputs: Iterator[tuple[Sample, Any]], pools: list[concurrent.futures.ProcessPoolExecutor]):
+        self._outputs = outputs
+        self._pools = pools
+
+    def __next__(self) -> tuple[Sample, Any]:
+        return next(self._outputs)
+
+    def close(self) -> None:
+        """Stop, and stop the worker processes (waits for the calls they are running)."""
+        close = getattr(self._outputs, "close", None)
+        if close is not None:
+            close()
+
+    def abort(self) -> None:
+        """Kill the worker processes now, from any thread: a call that hangs ends, and the thread
+        waiting for it gets MapError. For stopping a run whose results are no longer wanted."""
+        for pool in self._pools:
+            # ProcessPoolExecutor has no public way to kill its workers before Python 3.14
+            # (`kill_workers`); its `_processes` map has been stable since 3.8.
+            processes = getattr(pool, "_processes", None) or {}
+            for process in list(processes.values()):
+                process.kill()
 
 
 def transform(
@@ -204,17 +239,30 @@ def transform(
     workers: int = 0,
     on_error: str = "fail",
     stats: MapStats | None = None,
-) -> Iterator[tuple[Sample, Any]]:
+) -> Transform:
     """(sample, cursor) after mapping `records` (the source opened at `source_cursor(start, True)`).
 
     `spec` is `MODULE:FUNCTION` or the function itself (with `workers`, one the worker processes can
     unpickle: a module-level function, not a lambda or a closure)."""
     if on_error not in ("fail", "skip"):
         raise ValueError(f"--on-error {on_error!r}: expected fail or skip")
+    pools: list[concurrent.futures.ProcessPoolExecutor] = []
+    return Transform(_transformed(records, spec, start, workers, on_error, stats, pools), pools)
+
+
+def _transformed(
+    records: Iterator[tuple[Sample, Any]],
+    spec: str | MapFunction,
+    start: Any,
+    workers: int,
+    on_error: str,
+    stats: MapStats | None,
+    pools: list[concurrent.futures.ProcessPoolExecutor],
+) -> Iterator[tuple[Sample, Any]]:
     st = stats if stats is not None else MapStats()
     before = source_cursor(start, True)
     skip = int(start["skip"]) if is_sub_cursor(start) else 0
-    for record, after, result, error in _results(records, spec, workers, st):
+    for record, after, result, error in _results(records, spec, workers, st, pools):
         st.records += 1
         where = _where(record, after)
         if error is not None:

@@ -18,12 +18,18 @@ from lakestream.sources import open_source
 
 MAP_MODULE = """
 import os
+import time
 
 def fn(sample):
     key = sample["__key__"]
     i = int(key.rsplit("-", 1)[1])
     if key == os.environ.get("MAP_FAIL_KEY"):
         raise RuntimeError("cannot decode")
+    if key == os.environ.get("MAP_HANG_KEY"):
+        while True:
+            time.sleep(1)
+    if key == os.environ.get("MAP_EXIT_KEY"):
+        os._exit(3)
     if i % 2:
         return None  # odd samples are dropped
     if i % 4 == 0:  # one record into three; the copies keep the record's key, renamed <key>-<j>
@@ -139,6 +145,41 @@ def test_a_failing_function_fails_naming_the_key_or_is_skipped(
     assert figures["map"]["skipped"] == ["s001-0006"] and figures["map"]["dropped"] > 0, describe(r)
     assert stream_keys(url) == [k for k in expected_keys(3, 20) if k != "s001-0006"]
     run_cli("verify", url, check=True)
+
+
+def test_ctrl_c_stops_a_producer_whose_function_hangs_in_a_worker(tmp_path: Path, setup: dict[str, Any]) -> None:
+    import signal
+    import time
+
+    url = f"file://{tmp_path}/stream"
+    run_cli("init", url, "--world-size", 1, "--global-batch", 2, check=True)
+    env = {**setup["env"], "MAP_HANG_KEY": "s000-0006"}
+    proc = spawn_cli("produce", url, "--producer-id", "p", *setup["source"], "--workers", 1, env=env)
+    try:
+        wait_until(lambda: status(url)["head_step"] >= 1, timeout=30, what="the steps before the hung record")
+        time.sleep(0.5)  # the worker is in the function by now
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=15)
+        assert proc.returncode == 130 and time.monotonic() - started < 10, err
+        assert "interrupted; committed through" in err and "Traceback" not in err, err
+    finally:
+        proc.kill()
+        proc.communicate()
+    # What was committed stays; a rerun without the hang finishes exactly.
+    run_cli("produce", url, "--producer-id", "p", *setup["source"], "--workers", 1, env=setup["env"], check=True)
+    assert stream_keys(url) == expected_keys(3, 20)
+
+
+def test_a_worker_process_that_exits_is_named_with_its_record(tmp_path: Path, setup: dict[str, Any]) -> None:
+    url = f"file://{tmp_path}/stream"
+    run_cli("init", url, "--world-size", 1, "--global-batch", 4, check=True)
+    env = {**setup["env"], "MAP_EXIT_KEY": "s001-0002"}
+    r = run_cli("produce", url, "--producer-id", "p", *setup["source"], "--workers", 2, env=env, check=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, describe(r)
+    assert "worker process ended abruptly" in lines[0] and "'s001-0002'" in lines[0], describe(r)
+    assert "internal error" not in lines[0] and "BrokenProcessPool" not in lines[0], describe(r)
 
 
 def test_map_options_are_checked(tmp_path: Path, setup: dict[str, Any]) -> None:
