@@ -2,7 +2,7 @@
 
     from lakestream.torch import StreamDataset, checkpoint_hook
 
-    ds = StreamDataset(url)                            # rank from torch.distributed / torchrun env
+    ds = StreamDataset(url, stop=steps)                # rank from torch.distributed / torchrun env
     ds.load_state_dict(saved["dataset"])               # resume: {"next_step": n}
     hook = checkpoint_hook(url)                        # rank 0 records, other ranks: no-op
     for item in DataLoader(ds, batch_size=None):       # one item per step
@@ -14,7 +14,8 @@
 
 An item is `{"step": int, "samples": [sample, ...]}`; a sample is a dict with `__key__` and its
 fields as put, except that numpy arrays become torch tensors (`torch.from_numpy`; arrays of a dtype
-torch has no tensor type for stay numpy arrays).
+torch has no tensor type for stay numpy arrays). `stop` (exclusive) ends the iteration; without it
+the dataset follows the stream, waiting for steps not committed yet.
 
 `state_dict()` is `{"next_step": n}`, the step after the last one yielded; each new iterator starts
 at `state_dict()["next_step"]` (the `start` option at first), so iterating again continues the
@@ -22,11 +23,21 @@ stream, and `load_state_dict()` sets where the next iterator starts.
 
 DataLoader workers (`num_workers=W > 0`): the steps are sharded across workers so that
 DataLoader's round-robin over workers yields them in order: worker w reads steps n+w, n+w+W, …
-(n: `next_step` when the DataLoader iterator was created). Each worker holds a copy of the
-dataset, so the dataset's `state_dict()` in the training process does not advance: save
-`{"next_step": item["step"] + 1}` instead, and call `load_state_dict` before creating the
-DataLoader iterator. `persistent_workers=True` is not supported (a second epoch would restart
-the workers' copies from their own, stale, positions).
+(n: `next_step` when the DataLoader iterator was created). Each worker iterates a copy of the
+dataset, whose `state_dict()` there is that worker's own position, `{"next_step": m, "worker": w,
+"num_workers": W}` (m: the next step of its share). The dataset in the training process does not
+advance, so once workers have read it its `state_dict()` raises RuntimeError. Save instead:
+
+- with torchdata's `StatefulDataLoader(ds, batch_size=None, num_workers=W)` (the `torch` extra
+  installs torchdata): `loader.state_dict()`, which holds every worker's state as of the last item
+  the loader yielded. `loader.load_state_dict(saved)` on a new loader with the same `num_workers`
+  restarts each worker at its own next step and the round robin at the worker whose step comes
+  next: the steps after the last one yielded, in order, none twice;
+- with torch's DataLoader: `{"next_step": item["step"] + 1}` of the last item trained on, restored
+  with `ds.load_state_dict` before the DataLoader iterator is created.
+
+`persistent_workers=True` is not supported: a second epoch would skip the steps the workers had
+read ahead of the loop.
 
 This is the only module of the package that imports torch; `import lakestream` does not import it.
 """
@@ -406,11 +417,12 @@ class StreamDataset(_Resumable, torch.utils.data.IterableDataset):  # type: igno
     `rank`/`world_size`: see `resolve_rank` (explicit, else torch.distributed, else torchrun's
     environment, else rank 0 of 1), resolved when the dataset is created (so create it after
     `init_process_group`); the reader fails with ConfigMismatch if the stream has another world
-    size. `start`: the first step; `stop`: exclusive, None to follow the stream forever
+    size (saying to pass `rank=` and `world_size=` if they were found nowhere). `start`: the first step; `stop`: exclusive, None to follow the stream forever
     (waiting for steps not committed yet). `prefetch`: committed steps fetched ahead.
     `reader_options`: more `lakestream.open_reader` options (poll_interval, verify, …).
 
-    Use with `DataLoader(ds, batch_size=None)`. Each iterator runs its reader on an event loop in
+    Use with `DataLoader(ds, batch_size=None)`, or torchdata's `StatefulDataLoader` to resume with
+    `num_workers > 0` (see the module docstring). Each iterator runs its reader on an event loop in
     a background thread, closed when the iterator is exhausted, closed or garbage-collected.
     """
 
@@ -574,7 +586,7 @@ def checkpoint_hook(url: str | os.PathLike[str], rank: int | None = None) -> Cal
     no-op returning False.
 
     Call it after the trainer's own checkpoint is durable (written, fsynced, renamed). `step` is
-    the last step the checkpoint has trained on (its dataset state's `next_step - 1`); the id
+    the last step the checkpoint has trained on (the last item's `step`); the id
     defaults to `step-<step>`. True if recorded, False if it already was. `rank`: see `resolve_rank`.
     Must not be called from a thread running an event loop.
     """
