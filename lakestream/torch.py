@@ -417,9 +417,10 @@ class StreamDataset(_Resumable, torch.utils.data.IterableDataset):  # type: igno
     `rank`/`world_size`: see `resolve_rank` (explicit, else torch.distributed, else torchrun's
     environment, else rank 0 of 1), resolved when the dataset is created (so create it after
     `init_process_group`); the reader fails with ConfigMismatch if the stream has another world
-    size (saying to pass `rank=` and `world_size=` if they were found nowhere). `start`: the first step; `stop`: exclusive, None to follow the stream forever
-    (waiting for steps not committed yet). `prefetch`: committed steps fetched ahead.
-    `reader_options`: more `lakestream.open_reader` options (poll_interval, verify, …).
+    size (saying to pass `rank=` and `world_size=` if they were found nowhere). `start`: the first
+    step; `stop`: exclusive, None to follow the stream forever (waiting for steps not committed
+    yet). `prefetch`: committed steps fetched ahead. `reader_options`: more
+    `lakestream.open_reader` options (poll_interval, verify, …).
 
     Use with `DataLoader(ds, batch_size=None)`, or torchdata's `StatefulDataLoader` to resume with
     `num_workers > 0` (see the module docstring). Each iterator runs its reader on an event loop in
