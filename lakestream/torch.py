@@ -2,7 +2,7 @@
 
     from lakestream.torch import StreamDataset, checkpoint_hook
 
-    ds = StreamDataset(url)                            # rank from torch.distributed / torchrun env
+    ds = StreamDataset(url, stop=steps)                # rank from torch.distributed / torchrun env
     ds.load_state_dict(saved["dataset"])               # resume: {"next_step": n}
     hook = checkpoint_hook(url)                        # rank 0 records, other ranks: no-op
     for item in DataLoader(ds, batch_size=None):       # one item per step
@@ -14,7 +14,8 @@
 
 An item is `{"step": int, "samples": [sample, ...]}`; a sample is a dict with `__key__` and its
 fields as put, except that numpy arrays become torch tensors (`torch.from_numpy`; arrays of a dtype
-torch has no tensor type for stay numpy arrays).
+torch has no tensor type for stay numpy arrays). `stop` (exclusive) ends the iteration; without it
+the dataset follows the stream, waiting for steps not committed yet.
 
 `state_dict()` is `{"next_step": n}`, the step after the last one yielded; each new iterator starts
 at `state_dict()["next_step"]` (the `start` option at first), so iterating again continues the
@@ -22,11 +23,21 @@ stream, and `load_state_dict()` sets where the next iterator starts.
 
 DataLoader workers (`num_workers=W > 0`): the steps are sharded across workers so that
 DataLoader's round-robin over workers yields them in order: worker w reads steps n+w, n+w+W, …
-(n: `next_step` when the DataLoader iterator was created). Each worker holds a copy of the
-dataset, so the dataset's `state_dict()` in the training process does not advance: save
-`{"next_step": item["step"] + 1}` instead, and call `load_state_dict` before creating the
-DataLoader iterator. `persistent_workers=True` is not supported (a second epoch would restart
-the workers' copies from their own, stale, positions).
+(n: `next_step` when the DataLoader iterator was created). Each worker iterates a copy of the
+dataset, whose `state_dict()` there is that worker's own position, `{"next_step": m, "worker": w,
+"num_workers": W}` (m: the next step of its share). The dataset in the training process does not
+advance, so once workers have read it its `state_dict()` raises RuntimeError. Save instead:
+
+- with torchdata's `StatefulDataLoader(ds, batch_size=None, num_workers=W)` (the `torch` extra
+  installs torchdata): `loader.state_dict()`, which holds every worker's state as of the last item
+  the loader yielded. `loader.load_state_dict(saved)` on a new loader with the same `num_workers`
+  restarts each worker at its own next step and the round robin at the worker whose step comes
+  next: the steps after the last one yielded, in order, none twice;
+- with torch's DataLoader: `{"next_step": item["step"] + 1}` of the last item trained on, restored
+  with `ds.load_state_dict` before the DataLoader iterator is created.
+
+`persistent_workers=True` is not supported: a second epoch would skip the steps the workers had
+read ahead of the loop.
 
 This is the only module of the package that imports torch; `import lakestream` does not import it.
 """
@@ -35,6 +46,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import multiprocessing
+import multiprocessing.context
 import os
 import threading
 import time
@@ -69,14 +82,20 @@ def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tupl
     initialised default `torch.distributed` process group; else torchrun's environment (`RANK`,
     `WORLD_SIZE`); else a single process: rank 0 of a world of 1.
     """
+    r, w, _ = _resolve_rank(rank, world_size)
+    return r, w
+
+
+def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int | None, bool]:
+    """`resolve_rank`, and whether the rank is the single-process default (found nowhere)."""
     if rank is not None:
         if type(rank) is not int or rank < 0:
             raise ValueError(f"rank must be a non-negative integer, got {rank!r}")
-        return rank, world_size
+        return rank, world_size, False
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size() if world_size is None else world_size
+        return dist.get_rank(), dist.get_world_size() if world_size is None else world_size, False
     env_rank = os.environ.get("RANK")
     if env_rank is not None:
         env_world = os.environ.get("WORLD_SIZE")
@@ -85,8 +104,18 @@ def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tupl
             w = int(env_world) if env_world is not None and world_size is None else world_size
         except ValueError:
             raise ValueError(f"RANK={env_rank!r} / WORLD_SIZE={env_world!r}: expected integers") from None
-        return r, w
-    return 0, 1 if world_size is None else world_size
+        return r, w, False
+    return 0, 1 if world_size is None else world_size, True
+
+
+def _rank_hint(error: lakestream.ConfigMismatch, defaulted: bool) -> lakestream.ConfigMismatch:
+    """`error`, saying how to give the rank if it was the single-process default."""
+    if not defaulted:
+        return error
+    return lakestream.ConfigMismatch(
+        f"{error}: outside torchrun and torch.distributed this dataset reads as rank 0 of a world of "
+        "1; pass rank= and world_size= (or run under torchrun)"
+    )
 
 
 def _check_steps(start: int, stop: int | None) -> None:
@@ -94,12 +123,6 @@ def _check_steps(start: int, stop: int | None) -> None:
         raise ValueError(f"start must be a non-negative integer, got {start!r}")
     if stop is not None and (type(stop) is not int or stop < start):
         raise ValueError(f"stop must be None or an integer >= start ({start}), got {stop!r}")
-
-
-def _shard() -> tuple[int, int]:
-    """(offset, stride) of this DataLoader worker's steps: (0, 1) outside workers."""
-    info = torch.utils.data.get_worker_info()
-    return (0, 1) if info is None else (info.id, info.num_workers)
 
 
 # -- values -------------------------------------------------------------------------------------
@@ -264,16 +287,17 @@ def _close_source(source: _Source) -> None:
 
 class _StreamIterator(Iterator[dict[str, Any]]):
     def __init__(self, dataset: StreamDataset) -> None:
-        offset, stride = _shard()
         self._dataset = dataset
-        self._track = stride == 1  # worker copies do not track: see the module docstring
-        start = dataset._next_step + offset
+        start, self._stride = dataset._begin()
         stop = dataset.stop
         self._source: _Source | None = None
         if stop is not None and start >= stop:
             return
         options = {"prefetch": dataset.prefetch, **dataset.reader_options}
-        self._source = _Source(dataset.url, dataset.rank, dataset.world_size, start, stop, stride, options)
+        try:
+            self._source = _Source(dataset.url, dataset.rank, dataset.world_size, start, stop, self._stride, options)
+        except lakestream.ConfigMismatch as e:
+            raise _rank_hint(e, dataset._rank_defaulted) from None
         self._finalizer = weakref.finalize(self, _close_source, self._source)
 
     def __iter__(self) -> _StreamIterator:
@@ -291,8 +315,7 @@ class _StreamIterator(Iterator[dict[str, Any]]):
         if batch is _DONE:
             self.close()
             raise StopIteration
-        if self._track:
-            self._dataset._next_step = batch.step + 1
+        self._dataset._next_step = batch.step + self._stride
         return {"step": batch.step, "samples": [_convert(s) for s in batch.samples]}
 
     def close(self) -> None:
@@ -310,19 +333,82 @@ class _StreamIterator(Iterator[dict[str, Any]]):
 
 
 class _Resumable:
-    """`state_dict` / `load_state_dict` over the next step to read."""
+    """`state_dict` / `load_state_dict` over the next step to read, in this process or in a
+    DataLoader worker (as torchdata's StatefulDataLoader calls them there)."""
 
-    _next_step: int
+    _next_step: int  # in a worker that has iterated: this worker's own next step
+    _worker: tuple[int, int] | None  # (id, num_workers) of that worker; None: the position of step n
+    _read_by_workers: Any  # a byte shared with the copies of DataLoader workers: 1 once one iterates
+    _rank_defaulted: bool
+
+    def _init_position(self, start: int) -> None:
+        self._next_step = start
+        self._worker = None
+        self._read_by_workers = multiprocessing.RawValue("b", 0)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if multiprocessing.context.get_spawning_popen() is None:  # not a worker being started: a copy
+            state["_read_by_workers"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self._read_by_workers is None:
+            self._read_by_workers = multiprocessing.RawValue("b", 0)
+
+    def _begin(self) -> tuple[int, int]:
+        """(first step, stride) of a new iterator here, which then sets `_next_step` to the step
+        after each it yields. A DataLoader worker's first iterator starts at its share of the
+        position it was given (step n + id), and later ones where its last one stopped."""
+        info = torch.utils.data.get_worker_info()
+        if info is None:
+            return self._next_step, 1
+        self._read_by_workers.value = 1
+        if self._worker is None:
+            self._next_step += info.id
+            self._worker = (info.id, info.num_workers)
+        return self._next_step, info.num_workers
 
     def state_dict(self) -> dict[str, int]:
-        """`{"next_step": n}`: the step after the last one yielded (where the next iterator starts)."""
+        """`{"next_step": n}`: the step after the last one yielded (where the next iterator starts).
+
+        In a DataLoader worker that has iterated: `{"next_step": m, "worker": id, "num_workers": W}`,
+        m the next step of this worker's share. In the training process once DataLoader workers
+        have read the dataset: RuntimeError (the workers' copies advance, this one does not)."""
+        if self._worker is not None:
+            return {"next_step": self._next_step, "worker": self._worker[0], "num_workers": self._worker[1]}
+        if self._read_by_workers.value and torch.utils.data.get_worker_info() is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.state_dict(): DataLoader worker processes read this dataset, so "
+                "its position here does not advance. Save the DataLoader's state instead: with "
+                "torchdata's StatefulDataLoader(ds, batch_size=None, num_workers=W), loader.state_dict() "
+                "(every worker's position; restore it with loader.load_state_dict); with a plain "
+                "DataLoader, {'next_step': item['step'] + 1} of the last item trained on "
+                "(restore it with ds.load_state_dict before iterating)"
+            )
         return {"next_step": self._next_step}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Make the next iterator start at `state["next_step"]`."""
+        """Make the next iterator start at `state["next_step"]` (a worker's state: in that worker)."""
         n = state["next_step"]
         _check_steps(n, None)
-        self._next_step = n
+        if "worker" not in state:
+            self._next_step, self._worker = n, None
+            if torch.utils.data.get_worker_info() is None:
+                self._read_by_workers.value = 0
+            return
+        w, count = state["worker"], state.get("num_workers")
+        if type(w) is not int or type(count) is not int or not 0 <= w < count:
+            raise ValueError(f"{type(self).__name__} state: bad worker {w!r} of {count!r}")
+        info = torch.utils.data.get_worker_info()
+        if info is None or (info.id, info.num_workers) != (w, count):
+            here = "the training process" if info is None else f"worker {info.id} of {info.num_workers}"
+            raise ValueError(
+                f"{type(self).__name__} state of DataLoader worker {w} of {count}, loaded in {here}: "
+                f"restore the DataLoader's state (StatefulDataLoader.load_state_dict, num_workers={count})"
+            )
+        self._next_step, self._worker = n, (w, count)
 
 
 class StreamDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignore[type-arg]
@@ -331,11 +417,13 @@ class StreamDataset(_Resumable, torch.utils.data.IterableDataset):  # type: igno
     `rank`/`world_size`: see `resolve_rank` (explicit, else torch.distributed, else torchrun's
     environment, else rank 0 of 1), resolved when the dataset is created (so create it after
     `init_process_group`); the reader fails with ConfigMismatch if the stream has another world
-    size. `start`: the first step; `stop`: exclusive, None to follow the stream forever
-    (waiting for steps not committed yet). `prefetch`: committed steps fetched ahead.
-    `reader_options`: more `lakestream.open_reader` options (poll_interval, verify, …).
+    size (saying to pass `rank=` and `world_size=` if they were found nowhere). `start`: the first
+    step; `stop`: exclusive, None to follow the stream forever (waiting for steps not committed
+    yet). `prefetch`: committed steps fetched ahead. `reader_options`: more
+    `lakestream.open_reader` options (poll_interval, verify, …).
 
-    Use with `DataLoader(ds, batch_size=None)`. Each iterator runs its reader on an event loop in
+    Use with `DataLoader(ds, batch_size=None)`, or torchdata's `StatefulDataLoader` to resume with
+    `num_workers > 0` (see the module docstring). Each iterator runs its reader on an event loop in
     a background thread, closed when the iterator is exhausted, closed or garbage-collected.
     """
 
@@ -353,12 +441,12 @@ class StreamDataset(_Resumable, torch.utils.data.IterableDataset):  # type: igno
         super().__init__()
         _check_steps(start, stop)
         self.url = os.fspath(url)
-        self.rank, self.world_size = resolve_rank(rank, world_size)
+        self.rank, self.world_size, self._rank_defaulted = _resolve_rank(rank, world_size)
         self.start = start
         self.stop = stop
         self.prefetch = prefetch
         self.reader_options = dict(reader_options or {})
-        self._next_step = start
+        self._init_position(start)
 
     def __iter__(self) -> _StreamIterator:
         return _StreamIterator(self)
@@ -375,11 +463,9 @@ class StreamDataset(_Resumable, torch.utils.data.IterableDataset):  # type: igno
 
 class _MountIterator(Iterator[dict[str, Any]]):
     def __init__(self, dataset: MountDataset) -> None:
-        offset, self._stride = _shard()
         self._dataset = dataset
-        self._track = self._stride == 1
-        self._step = dataset._next_step + offset
         dataset._check_mount()
+        self._step, self._stride = dataset._begin()
 
     def __iter__(self) -> _MountIterator:
         return self
@@ -391,8 +477,7 @@ class _MountIterator(Iterator[dict[str, Any]]):
         step = self._step
         samples = self._dataset.read_step(step)
         self._step += self._stride
-        if self._track:
-            self._dataset._next_step = step + 1
+        self._dataset._next_step = self._step
         return {"step": step, "samples": samples}
 
 
@@ -420,12 +505,12 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
         super().__init__()
         _check_steps(start, stop)
         self.mountpoint = os.fspath(mountpoint)
-        self.rank, self.world_size = resolve_rank(rank, world_size)
+        self.rank, self.world_size, self._rank_defaulted = _resolve_rank(rank, world_size)
         self.start = start
         self.stop = stop
         self.timeout = timeout
         self.retry_interval = retry_interval
-        self._next_step = start
+        self._init_position(start)
 
     def __iter__(self) -> _MountIterator:
         return _MountIterator(self)
@@ -444,9 +529,10 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
         status = self.status()
         w = status.get("world_size")
         if self.world_size is not None and w is not None and w != self.world_size:
-            raise lakestream.ConfigMismatch(
+            error = lakestream.ConfigMismatch(
                 f"{self.mountpoint}: expected world size {self.world_size}, the stream has {w}"
             )
+            raise _rank_hint(error, self._rank_defaulted)
         if self.rank not in status.get("ranks", [self.rank]):
             served = status.get("ranks")
             raise ValueError(f"{self.mountpoint}: the mount does not serve rank {self.rank} (it serves {served})")
@@ -501,7 +587,7 @@ def checkpoint_hook(url: str | os.PathLike[str], rank: int | None = None) -> Cal
     no-op returning False.
 
     Call it after the trainer's own checkpoint is durable (written, fsynced, renamed). `step` is
-    the last step the checkpoint has trained on (its dataset state's `next_step - 1`); the id
+    the last step the checkpoint has trained on (the last item's `step`); the id
     defaults to `step-<step>`. True if recorded, False if it already was. `rank`: see `resolve_rank`.
     Must not be called from a thread running an event loop.
     """

@@ -159,8 +159,13 @@ def test_rank_and_world_size_from_torchrun_env(stream: str, monkeypatch: pytest.
 def test_single_process_default_is_rank_0_of_1(stream: str) -> None:
     assert resolve_rank() == (0, 1)
     before = set(threading.enumerate())
-    with pytest.raises(lakestream.ConfigMismatch, match="world size 1, the stream has 2"):
+    with pytest.raises(lakestream.ConfigMismatch, match=r"world size 1, the stream has 2.*pass rank= and world_size="):
         iter(StreamDataset(stream))
+    with pytest.raises(lakestream.ConfigMismatch, match="pass rank= and world_size="):
+        list(DataLoader(StreamDataset(stream), batch_size=None, num_workers=1))
+    with pytest.raises(lakestream.ConfigMismatch) as explicit:  # given explicitly: no hint
+        iter(StreamDataset(stream, rank=0, world_size=1))
+    assert "rank=" not in str(explicit.value)
     with pytest.raises(lakestream.StreamNotFound):
         iter(StreamDataset(stream + "-missing", rank=0))
     assert_no_leaked_threads(before)
@@ -215,8 +220,54 @@ def test_dataloader_workers_shard_steps_in_order(stream: str, workers: int) -> N
     got = list(DataLoader(ds, batch_size=None, num_workers=workers))
     assert [it["step"] for it in got] == list(range(1, 7))  # every step once, in order
     assert_same(got, [expected(1, s) for s in range(1, 7)])
-    # documented: worker copies do not advance the dataset in this process
-    assert ds.state_dict() == {"next_step": 1}
+
+
+def test_dataset_state_in_the_main_process_after_workers_read_it_is_an_error(stream: str) -> None:
+    """The workers' copies advance, the dataset in this process does not: its state_dict would
+    restart from the beginning, so it says what to save instead."""
+    ds = StreamDataset(stream, rank=0, stop=7)
+    assert ds.state_dict() == {"next_step": 0}
+    loader = DataLoader(ds, batch_size=None, num_workers=2)
+    for item in loader:
+        if item["step"] == 3:
+            break
+    with pytest.raises(RuntimeError, match=r"StatefulDataLoader.*item\["):
+        ds.state_dict()
+    del loader, item
+    gc.collect()
+    ds.load_state_dict({"next_step": 4})  # {"next_step": item["step"] + 1}: set here again, known again
+    assert ds.state_dict() == {"next_step": 4}
+    assert [it["step"] for it in DataLoader(ds, batch_size=None, num_workers=2)] == [4, 5, 6]
+    # a worker's own state belongs to that worker
+    with pytest.raises(ValueError, match="DataLoader worker 1 of 2"):
+        ds.load_state_dict({"next_step": 5, "worker": 1, "num_workers": 2})
+
+
+@pytest.mark.parametrize(
+    ("workers", "taken", "every"),
+    [(0, 3, 1), (2, 0, 1), (2, 1, 1), (2, 4, 1), (3, 5, 1), (2, 6, 1), (2, 5, 2)],
+)
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 3 workers on 2 CPUs
+def test_stateful_dataloader_resumes_every_worker_exactly(stream: str, workers: int, taken: int, every: int) -> None:
+    """torchdata's StatefulDataLoader saves each worker's dataset state with the loader's; a new
+    loader restored from it yields the steps after the last one taken, in order, none twice."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def loader() -> StatefulDataLoader:
+        ds = StreamDataset(stream, rank=1, world_size=WORLD, start=1, stop=7)
+        return StatefulDataLoader(ds, batch_size=None, num_workers=workers, snapshot_every_n_steps=every)
+
+    first = loader()
+    it = iter(first)
+    got = [next(it) for _ in range(taken)]
+    state = first.state_dict()
+    del it, first
+    gc.collect()
+    second = loader()
+    second.load_state_dict(state)
+    got += list(second)
+    assert [it["step"] for it in got] == list(range(1, 7))
+    assert_same(got, [expected(1, s) for s in range(1, 7)])
 
 
 def test_follows_steps_committed_later(tmp_path: Path) -> None:
@@ -435,9 +486,26 @@ def test_mount_dataset_reads_the_same_items_as_the_stream(mounted: tuple[str, Pa
     got = list(DataLoader(ds, batch_size=None, num_workers=2))
     assert [it["step"] for it in got] == [1, 2, 3, 4]
     assert_same(got, [expected(1, s) for s in range(1, 5)])
+    with pytest.raises(RuntimeError, match="StatefulDataLoader"):
+        ds.state_dict()
+
+    # resumed through torchdata's StatefulDataLoader: each worker where it stopped
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    first = StatefulDataLoader(MountDataset(mp, rank=1, stop=5), batch_size=None, num_workers=2)
+    it = iter(first)
+    got = [next(it) for _ in range(3)]
+    state = first.state_dict()
+    del it, first
+    second = StatefulDataLoader(MountDataset(mp, rank=1, stop=5), batch_size=None, num_workers=2)
+    second.load_state_dict(state)
+    got += list(second)
+    assert_same(got, [expected(1, s) for s in range(5)])
 
     with pytest.raises(lakestream.ConfigMismatch):
         iter(MountDataset(mp, rank=0, world_size=3))
+    with pytest.raises(lakestream.ConfigMismatch, match="pass rank= and world_size="):
+        iter(MountDataset(mp))
 
 
 def test_mount_dataset_waits_for_steps_committed_later(mounted: tuple[str, Path]) -> None:
@@ -548,3 +616,69 @@ def test_crash_and_resume_reproduce_the_uninterrupted_losses_bit_for_bit(tmp_pat
     report = anyio.run(lakestream.verify, crash_url)
     assert report.ok, report.problems
     print(f"torchrun: uninterrupted {t1 - t0:.1f} s, killed {t2 - t1:.1f} s, resumed {time.monotonic() - t2:.1f} s")
+
+
+# -- (d) a StatefulDataLoader job with 2 workers, SIGKILLed and resumed ---------------------------------
+
+TRAINER = Path(__file__).parent / "stateful_trainer.py"
+TRAINER_STEPS = 24
+
+
+def run_trainer(url: str, ckpt: Path, log: Path, kill_after: int | None = None) -> int:
+    """Run tests/stateful_trainer.py to the end (its exit code), or SIGKILL it with its DataLoader
+    workers once its checkpoint holds `kill_after` steps."""
+    cmd = [sys.executable, str(TRAINER), url, str(ckpt), "--steps", str(TRAINER_STEPS), "--workers", "2"]
+    if kill_after is not None:
+        cmd += ["--step-time", "0.05"]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        if kill_after is None:
+            return proc.wait(timeout=120)
+        deadline = time.monotonic() + 120
+        while not (ckpt.exists() and len(consumed(ckpt)) >= kill_after):
+            assert proc.poll() is None, f"the trainer exited with {proc.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"no {kill_after} steps within 120 s:\n{log.read_text()}"
+            time.sleep(0.005)
+        os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its DataLoader workers
+        return proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def consumed(ckpt: Path) -> list[tuple[int, list[str]]]:
+    return [(int(row[0]), list(row[1:])) for row in torch.load(ckpt, weights_only=True)["consumed"]]
+
+
+async def _produce_world_1(url: str) -> None:
+    await lakestream.create(url, world_size=1, global_batch=2)
+    async with lakestream.open_producer(url, "p", policy="eager") as p:
+        for i in range(TRAINER_STEPS * 2):
+            await p.put({"__key__": f"k{i:05d}", "x": np.arange(3, dtype=np.float32) + i}, cursor=i + 1)
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_two_worker_job_resumes_exactly(tmp_path: Path) -> None:
+    """`StatefulDataLoader(StreamDataset(url, rank=0, world_size=1), num_workers=2)`, its state
+    saved every step, SIGKILLed after an odd number of steps (the next step is worker 1's) while
+    the workers have read ahead, then restarted from the saved state: the steps trained on are
+    the uninterrupted run's, in order, none twice."""
+    url = f"file://{tmp_path}/stream"
+    anyio.run(_produce_world_1, url)
+    log = tmp_path / "trainer.log"
+    assert run_trainer(url, tmp_path / "ref.pt", log) == 0, log.read_text()
+    reference = consumed(tmp_path / "ref.pt")
+    assert reference == [(s, [f"k{2 * s:05d}", f"k{2 * s + 1:05d}"]) for s in range(TRAINER_STEPS)]
+
+    ckpt = tmp_path / "ckpt.pt"
+    assert run_trainer(url, ckpt, log, kill_after=7) == -signal.SIGKILL
+    killed = consumed(ckpt)
+    assert 7 <= len(killed) < TRAINER_STEPS, f"killed after {len(killed)} steps"
+    assert killed == reference[: len(killed)]
+    assert run_trainer(url, ckpt, log) == 0, log.read_text()
+    assert f"resumed after {len(killed)} steps" in log.read_text()
+    assert consumed(ckpt) == reference
