@@ -26,7 +26,7 @@ from typing import Any
 
 import anyio
 
-from ._errors import LakestreamError
+from ._errors import LakestreamError, first_error
 
 __all__ = ["FleetReport", "run_fleet"]
 
@@ -274,9 +274,7 @@ def _reason(e: BaseException) -> str:
     """`e` as one line, as the CLI reports errors: the message of the errors Lakestream means to raise, the
     type and message of anything else."""
     if isinstance(e, BaseExceptionGroup):
-        from ._cli import _first_error
-
-        e = _first_error(e)
+        e = first_error(e)
     if isinstance(e, (LakestreamError, OSError, ValueError, ImportError)):
         text = str(e) or type(e).__name__
     else:
