@@ -30,9 +30,11 @@ import lakestream
 
 from ._batching import mix_counts
 from ._errors import LakestreamError
+from ._errors import first_error as _first_error
 from ._pacing import DacPolicy
 from ._pipeline import SyntheticSource, produce
 from ._tasks import task_group
+from ._text import safe as _safe
 from ._top import Progress, progress
 from .sources import SHUFFLE_WINDOW, DirSource, describe, open_source, parse_shard
 
@@ -613,21 +615,6 @@ def _write_step(out: Path, batch: lakestream.RankBatch) -> None:
     os.rename(tmp, final)
 
 
-def _safe(text: str, escape: str = "") -> str:
-    """`text` with what a terminal would interpret (control, format and other non-printable characters) and
-    the characters in `escape` written as Python escapes: safe to print, one line."""
-    out = []
-    for c in text:
-        if c.isprintable() and c not in escape:
-            out.append(c)
-        elif c == "\\":
-            out.append("\\\\")
-        else:
-            n = ord(c)
-            out.append(f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}")
-    return "".join(out)
-
-
 def _print_json(obj: Any) -> None:
     """`obj` as one line of JSON on stdout (sets as sorted lists, other unknown values as text)."""
     sys.stdout.write(orjson.dumps(obj, default=_jsonable, option=orjson.OPT_NON_STR_KEYS).decode() + "\n")
@@ -937,22 +924,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 EXPECTED = (LakestreamError, OSError, ValueError, ImportError, subprocess.CalledProcessError)
-
-
-def _first_error(group: BaseExceptionGroup) -> BaseException:
-    """The leaf of `group` to report: the first Lakestream error, else the first OSError, else the first leaf."""
-    leaves: list[BaseException] = []
-    pending: list[BaseException] = [group]
-    while pending:
-        e = pending.pop(0)
-        if isinstance(e, BaseExceptionGroup):
-            pending[:0] = e.exceptions
-        else:
-            leaves.append(e)
-    for kind in (LakestreamError, OSError, Exception):
-        if found := next((e for e in leaves if isinstance(e, kind)), None):
-            return found
-    return leaves[0] if leaves else group
 
 
 def _fail(args: argparse.Namespace, e: BaseException) -> int:

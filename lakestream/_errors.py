@@ -109,3 +109,19 @@ class InvalidSample(LakestreamError, ValueError):
 
 class StepUnavailable(LakestreamError, LookupError):
     """A step is not readable: it was reclaimed, or discarded by a rewind."""
+
+
+def first_error(group: BaseExceptionGroup) -> BaseException:
+    """The leaf of `group` to report: the first Lakestream error, else the first OSError, else the first leaf."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        e = pending.pop(0)
+        if isinstance(e, BaseExceptionGroup):
+            pending[:0] = e.exceptions
+        else:
+            leaves.append(e)
+    for kind in (LakestreamError, OSError, Exception):
+        if found := next((e for e in leaves if isinstance(e, kind)), None):
+            return found
+    return leaves[0] if leaves else group

@@ -26,6 +26,7 @@ import anyio
 from ._manifest import Manifest
 from ._state import State
 from ._store import open_store
+from ._text import safe
 
 __all__ = ["Progress", "progress", "render", "run_top", "view"]
 
@@ -138,7 +139,8 @@ def _bytes(n: float | None) -> str:
 
 
 def render(v: dict[str, Any]) -> Any:
-    """The view as a rich renderable: the stream's figures, then one row per producer."""
+    """The view as a rich renderable: the stream's figures, then one row per producer. Strings of the view
+    are shown as text, never as rich markup, with what a terminal would interpret escaped (`safe`)."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -163,8 +165,8 @@ def render(v: dict[str, Any]) -> Any:
         ("gc", f"steps below {gc['first_step']} reclaimed ({gc['reclaimed_steps']} in the last "
                f"{v['interval_seconds']:.1f} s), {gc['retained_steps']} retained"),
     ]  # fmt: skip
-    for name, value in rows:
-        head.add_row(name, value)
+    for name, value in rows:  # text, not markup: ids and the URL come from the store and the user
+        head.add_row(name, Text(safe(value)) if isinstance(value, str) else value)
     table = Table(expand=False)
     for col in ("producer", "epoch", "last commit", "steps/s", "pace", "TGBs/commit", "lost races"):
         table.add_column(col, justify="left" if col == "producer" else "right")
@@ -173,8 +175,8 @@ def render(v: dict[str, Any]) -> Any:
         pace = "-" if p["pace_seconds"] is None else f"{p['pace_seconds']:.2f} s"
         per = "-" if p["tgbs_per_commit"] is None else f"{p['tgbs_per_commit']:g}"
         table.add_row(
-            p["id"], str(p["epoch"]), _age(p["last_commit_age_seconds"]), f"{p['steps_per_second']:.2f}", pace, per,
-            str(p["lost_races_last_commit"]), style=style,
+            Text(safe(p["id"])), str(p["epoch"]), _age(p["last_commit_age_seconds"]), f"{p['steps_per_second']:.2f}",
+            pace, per, str(p["lost_races_last_commit"]), style=style,
         )  # fmt: skip
     return Group(head, table)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from typing import Any
 
 import anyio
 
-from ._errors import LakestreamError
+from ._errors import ConfigMismatch, LakestreamError, first_error
 
 __all__ = ["FleetReport", "run_fleet"]
 
@@ -127,6 +128,7 @@ def run_fleet(
 
     ids = [f"{name}-{i}" for i in range(producers)]
     before = anyio.run(lakestream.load_state, url)  # StreamNotFound before anything starts
+    _check_producers(url, before, name, producers)
     options: dict[str, Any] = {
         "map": map, "workers": workers_per_producer, "on_error": on_error, "key_column": key_column,
         "split": split, "epochs": epochs, "shuffle_seed": shuffle_seed,
@@ -149,6 +151,42 @@ def run_fleet(
     report.skipped = sorted(skipped)
     _count_committed(report, before, after, ids)
     return report
+
+
+def _check_producers(url: str, state: Any, name: str, producers: int) -> None:
+    """Refuse to run the fleet `name` with another number of producers than its producers in `state` were
+    started with: producer i's share of the source is (i, N), which its committed cursor records
+    (`"share": [i, N]`), so another N would give it another share (and a new producer a share already
+    produced). Producers whose cursor records no share (committed before it was recorded, or by another
+    kind of source) tell only that N was above their index. ConfigMismatch naming both numbers."""
+    from ._transform import is_sub_cursor
+
+    pattern = re.compile(rf"{re.escape(name)}-(0|[1-9][0-9]*)")
+    started: dict[int, list[str]] = {}  # N: the producers started with it
+    beyond: list[tuple[int, str]] = []  # (index, id) of producers without a recorded share, index >= producers
+    for pid, p in state.producers.items():
+        if (m := pattern.fullmatch(pid)) is None or p.cursor is None:
+            continue  # not one of the fleet's, or nothing committed
+        cursor = p.cursor["at"] if is_sub_cursor(p.cursor) else p.cursor  # inside a record expanded by --map
+        share = cursor.get("share") if isinstance(cursor, dict) else None
+        if isinstance(share, list) and len(share) == 2 and type(share[1]) is int and share[1] > 0:
+            started.setdefault(share[1], []).append(pid)
+        elif int(m.group(1)) >= producers:
+            beyond.append((int(m.group(1)), pid))
+    why = "another number gives every producer another share of the source, producing samples twice or losing them"
+    for n, pids in sorted(started.items()):
+        if n != producers:
+            pids.sort(key=lambda pid: int(pid.rsplit("-", 1)[1]))
+            raise ConfigMismatch(
+                f"{url}: fleet {name!r} was started with --producers {n} ({', '.join(pids)}), not {producers}: "
+                f"{why}; run it with --producers {n}"
+            )
+    if beyond:
+        index, pid = max(beyond)
+        raise ConfigMismatch(
+            f"{url}: fleet {name!r} was started with --producers {index + 1} or more ({pid} has committed samples), "
+            f"not {producers}: {why}; run it with the same --producers"
+        )
 
 
 def _cpus(workers: int) -> float:
@@ -274,9 +312,7 @@ def _reason(e: BaseException) -> str:
     """`e` as one line, as the CLI reports errors: the message of the errors Lakestream means to raise, the
     type and message of anything else."""
     if isinstance(e, BaseExceptionGroup):
-        from ._cli import _first_error
-
-        e = _first_error(e)
+        e = first_error(e)
     if isinstance(e, (LakestreamError, OSError, ValueError, ImportError)):
         text = str(e) or type(e).__name__
     else:

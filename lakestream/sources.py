@@ -14,11 +14,12 @@ describes every kind and the cursor formats exactly.
 Sharded sources (`wds:`, `parquet:`, `hf:`) list their files sorted by path; `shard=(i, n)` takes
 files i, i+n, i+2n, ... of that list (this producer's *share*; for `hf:` the units are row ranges,
 see HfSource). Their cursor is
-`{"shard": NAME, "index": I, "sample": S, "files": F, "fp": H}`: S samples of file NAME (the I-th
-file of the share) were consumed, the share had F files, and H is the SHA-256 over the share's
-names, sizes and modification times (S3: ETags). Resuming with a cursor whose fingerprint does not
-match the share as it is now raises ConfigMismatch naming the change (files added or removed, a
-file rewritten), never duplicating or skipping samples silently.
+`{"shard": NAME, "index": I, "sample": S, "files": F, "fp": H, "share": [i, n]}`: S samples of file
+NAME (the I-th file of the share) were consumed, the share had F files, H is the SHA-256 over the
+share's names, sizes and modification times (S3: ETags), and the share was `shard=(i, n)`. Resuming
+with a cursor of another share, or whose fingerprint does not match the share as it is now, raises
+ConfigMismatch naming the change (another --shard, files added or removed, a file rewritten), never
+duplicating or skipping samples silently.
 
 Epochs and shuffling (`epochs=E`, `shuffle_seed=S`, sharded sources only): the share is read E
 times. Epoch e (0-based) visits the share's files in the order `random.Random(f"{S}:{e}")`
@@ -189,6 +190,13 @@ class _File:
     etag: str | None = None  # an S3 object's ETag: what tells its versions apart (not its modification time)
 
 
+def _is_shard(value: Any) -> bool:
+    """Whether `value` (read from a cursor) is a share `[i, n]`: integers, 0 <= i < n."""
+    return (
+        isinstance(value, list) and len(value) == 2 and all(type(x) is int for x in value) and 0 <= value[0] < value[1]
+    )
+
+
 def _share(files: list[_File], shard: tuple[int, int]) -> list[_File]:
     i, n = shard
     return files[i::n]
@@ -272,6 +280,7 @@ class _Sharded:
     """What the sharded sources share: the share, its fingerprint, epochs, shuffling, and resuming."""
 
     what: str
+    shard: tuple[int, int] = (0, 1)  # this producer's share: (i, n) of --shard i/n
     share: list[_File]
     fp: str
     epochs: int = 1
@@ -298,6 +307,14 @@ class _Sharded:
             raise ConfigMismatch(
                 f"{self.what}: the committed cursor was produced with shuffle seed {cursor.get('seed')!r}, "
                 f"not {self.seed!r}; resuming with another order would duplicate or lose samples"
+            )
+        share = cursor.get("share", list(self.shard))  # absent in cursors of earlier versions
+        if share != list(self.shard):
+            i, n = self.shard
+            was = f"--shard {share[0]}/{share[1]}" if _is_shard(share) else f"share {share!r:.40}"
+            raise ConfigMismatch(
+                f"{self.what}: the committed cursor was produced with {was}, not --shard {i}/{n}; another share "
+                "of the source would duplicate or lose samples"
             )
         names = [f.name for f in self.share]
         if cursor["fp"] == self.fp:
@@ -344,6 +361,7 @@ class _Sharded:
             "sample": sample,
             "files": len(self.share),
             "fp": self.fp,
+            "share": list(self.shard),
         }
         if self.seed is not None:
             cursor["seed"] = self.seed
@@ -410,7 +428,7 @@ class WdsSource(_Sharded):
     """
 
     def __init__(self, pattern: str, shard: tuple[int, int] = (0, 1)) -> None:
-        self.what = f"wds:{pattern}"
+        self.what, self.shard = f"wds:{pattern}", shard
         if pattern.startswith("s3://"):
             files, self.remote = _match_s3(self.what, pattern)
             self.share = _share(files, shard)
@@ -514,7 +532,7 @@ class ParquetSource(_Sharded):
     """
 
     def __init__(self, path: str, shard: tuple[int, int] = (0, 1), key_column: str | None = None) -> None:
-        self.what = f"parquet:{path}"
+        self.what, self.shard = f"parquet:{path}", shard
         self.key_column = key_column
         root = Path(path)
         if path.startswith("s3://"):
@@ -645,7 +663,7 @@ class HfSource(_Sharded):
     def __init__(
         self, path: str, shard: tuple[int, int] = (0, 1), key_column: str | None = None, split: str | None = None
     ) -> None:
-        self.what = f"hf:{path}"
+        self.what, self.shard = f"hf:{path}", shard
         self.key_column = key_column
         if "://" in path:
             raise ValueError(f"{self.what}: only local paths are read")

@@ -24,6 +24,7 @@ from cliutil import describe, run_cli, spawn_cli, wait_until
 from test_sources import make_wds, read_values
 
 import lakestream
+from lakestream._pipeline import SyntheticSource
 from lakestream.ray import FleetReport, run_fleet
 
 SHARDS, PER_SHARD = 6, 30  # 180 samples; with 3 producers, producer i takes shards i and i + 3
@@ -244,6 +245,43 @@ def test_what_is_refused_before_anything_starts(tmp_path: Path) -> None:
     anyio.run(lambda: lakestream.create(url, world_size=1, global_batch=2))
     r = run_cli("fleet", url, "--source", "wds:x", "--producers", 0, check=False)
     assert r.stderr.strip().splitlines() == ["lakestream fleet: error: --producers 0: expected at least 1"], describe(r)
+
+
+def test_another_number_of_producers_is_refused_before_ray_starts(setup: dict[str, Any], ray_address: str) -> None:
+    """Run again with another --producers, every producer would get another share of the source (and a new one a
+    share already produced): refused, naming both numbers, before the cluster is even reached (the refused runs
+    name an address where no cluster listens). The same number resumes, with nothing left to commit."""
+    url, base = setup["url"], ["--source", setup["spec"]]
+    fleet(url, *base, "--producers", 2, "--ray-address", ray_address, env=setup["env"])
+    nowhere = f"127.0.0.1:{_free_port()}"
+    for n, address in ((3, ray_address), (1, nowhere)):
+        r = fleet(url, *base, "--producers", n, "--ray-address", address, env=setup["env"], check=False)
+        assert r.returncode == 1, describe(r)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(
+            f"lakestream fleet: error: {url}: fleet 'fleet' was started with --producers 2 (fleet-0, fleet-1), "
+            f"not {n}: "
+        ), describe(r)
+        assert lines[0].endswith("; run it with --producers 2"), describe(r)
+    assert sorted(status(url)["producers"]) == ["fleet-0", "fleet-1"]
+    assert verified(url)["samples"] == 180
+    s = summary(fleet(url, *base, "--producers", 2, "--json", "--ray-address", ray_address, env=setup["env"]))
+    assert s["ok"] and (s["samples"], s["steps"]) == (0, 0), s
+
+
+def test_fewer_producers_than_committed_without_recorded_shares_are_refused(
+    setup: dict[str, Any], ray_address: str
+) -> None:
+    """A producer of the fleet whose cursor records no share (committed before cursors recorded it; here a
+    synthetic source's) still tells that the fleet had more producers than its index."""
+    url = setup["url"]
+    anyio.run(lambda: lakestream.produce(url, "fleet-2", SyntheticSource(4, 16)))
+    for n in (2, 1):
+        with pytest.raises(
+            lakestream.ConfigMismatch, match=rf"--producers 3 or more \(fleet-2 has committed samples\), not {n}:"
+        ):
+            run_fleet(url, setup["spec"], n, ray_address=ray_address)
+    assert set(status(url)["producers"]) == {"fleet-2"}
 
 
 def test_an_actor_dead_with_no_restart_left_fails_its_producer(setup: dict[str, Any], ray_address: str) -> None:

@@ -137,6 +137,21 @@ def test_every_cursor_resumes_with_exactly_the_next_sample(tmp_path: Path, kind:
     assert sorted(keys_by_share[0] + keys_by_share[1]) == sorted(everything) and len(set(everything)) == len(everything)
 
 
+def test_a_cursor_of_another_share_is_refused_and_one_without_a_share_resumes(tmp_path: Path) -> None:
+    """The cursor records the share it was produced for: resuming it as another share is refused naming both
+    (not taken for files added or removed); a cursor committed before shares were recorded resumes as before."""
+    make_wds(tmp_path, 6, 3)
+    spec = f"wds:{tmp_path}/*.tar"
+    whole = all_from(spec, shard=(1, 2))
+    cursor = whole[4][1]
+    assert cursor["share"] == [1, 2]
+    for other in ((1, 3), (0, 2)):
+        with pytest.raises(lakestream.ConfigMismatch, match=rf"with --shard 1/2, not --shard {other[0]}/{other[1]};"):
+            all_from(spec, cursor, shard=other)
+    old = {k: v for k, v in cursor.items() if k != "share"}
+    assert all_from(spec, old, shard=(1, 2)) == whole[5:]
+
+
 def test_parquet_default_keys_and_unstorable_values(tmp_path: Path) -> None:
     pq.write_table(pa.table({"x": [1, 2], "y": [0.5, float("nan")]}), tmp_path / "t.parquet")
     src = open_source(f"parquet:{tmp_path / 't.parquet'}").iterate()

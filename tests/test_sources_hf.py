@@ -91,7 +91,8 @@ def test_rows_as_samples_and_every_cursor_resumes_exactly(tmp_path: Path, monkey
         run = list(open_source(spec, split="train", shard=(i, 3)).iterate())
         for k, (_, cursor) in enumerate(run):
             cursor = json.loads(json.dumps(cursor))
-            assert set(cursor) == {"epoch", "shard", "index", "sample", "files", "fp", "rows"} and cursor["rows"] == 23
+            assert set(cursor) == {"epoch", "shard", "index", "sample", "files", "fp", "rows", "share"}
+            assert cursor["rows"] == 23 and cursor["share"] == [i, 3]
             assert list(open_source(spec, split="train", shard=(i, 3)).iterate(cursor)) == run[k + 1 :]
         shares.append([s["__key__"] for s, _ in run])
     assert [len(s) for s in shares] == [7, 8, 8]  # contiguous row ranges: rows [0, 7), [7, 15), [15, 23)
@@ -188,7 +189,7 @@ def test_a_changed_dataset_is_refused_naming_the_change(tmp_path: Path) -> None:
         assert len(r.stderr.strip().splitlines()) == 1 and status(url)["head_step"] == head, describe(r)
 
     r = run_cli(*command[:-1], "1/3", check=False)
-    assert "the share's row ranges differ ('data-00002-of-00003.arrow[0:6]' was being read)" in r.stderr, describe(r)
+    assert "the committed cursor was produced with --shard 1/2, not --shard 1/3;" in r.stderr, describe(r)
     make_hf(tmp_path / "ds", {"train": 24})  # saved again, with more rows
     refused("the split 'train' now has 24 rows, not 20")
     make_hf(tmp_path / "ds", {"train": 20}, seed=1)  # as many rows, other values

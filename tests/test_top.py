@@ -170,3 +170,17 @@ def test_progress_bars_on_a_terminal_only(tmp_path: Path) -> None:
     assert "steps read" in shown and "5/5" in shown and "rank 0: 5 steps" in shown, shown
     piped = run_cli("read", url, "--rank", "0", check=True)
     assert piped.stderr == "rank 0: 5 steps, 0.0 MB\n", piped.stderr
+
+
+def test_top_shows_names_from_the_store_as_text(tmp_path: Path) -> None:
+    """A checkpoint id is whatever the trainer chose: rich markup in it (`x[/y]`) is shown as it is, not parsed
+    (it crashed the table), and an escape sequence is shown escaped, never sent to the terminal."""
+    url = f"file://{tmp_path / 's'}"
+    run_cli("init", url, "--world-size", "1", "--global-batch", "2", check=True)
+    run_cli("produce", url, "--producer-id", "p", "--synthetic", "4", check=True)
+    for step, cid, shown in ((0, "x[/y]", "checkpoint x[/y]"), (1, "\x1b[31mred\x07", "checkpoint \\x1b[31mred\\x07")):
+        anyio.run(lakestream.checkpoint, url, cid, step)
+        r = run_cli("top", url, "--once", "--interval", "0.2", env={"COLUMNS": "200"})
+        assert r.returncode == 0 and shown in r.stdout, (r.stdout, r.stderr)
+        assert not any(c in r.stdout for c in "\x1b\x07"), r.stdout
+        assert _top_json(url, 0.2)["last_checkpoint"] == {"id": cid, "step": step}
