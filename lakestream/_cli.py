@@ -175,7 +175,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="back-pressure: steps producers may commit past the watermark (0: no limit)")  # fmt: skip
     p.add_argument("--max-sample-bytes", type=int, default=1 << 30, help="largest sample accepted, in bytes")
 
-    p = sub.add_parser("produce", help="produce samples from a source (WebDataset, Parquet, a directory) or synthetic ones", description=(
+    p = sub.add_parser("produce", help="produce samples from a source (WebDataset, Parquet, Hugging Face, a directory) or synthetic ones", description=(
         "Put samples into the stream as one producer, committing transactional global batches. It resumes "
         "after the last sample that producer id committed, so after a crash or Ctrl-C run the same command "
         "again.\n\n"
@@ -185,8 +185,9 @@ def _parser() -> argparse.ArgumentParser:
         "DIR (see --follow-symlinks). The cursor names the last file consumed: if files were added or removed at "
         "or before it, the run refuses (ConfigMismatch) instead of duplicating or losing samples; files added "
         "after it are produced.\n\n"
-        "--source wds:PATTERN and parquet:PATH read local WebDataset tar shards (members '<key>.<field>' grouped "
-        "into samples, bytes as stored) or Parquet files (one row a sample, columns as fields). --shard I/N takes "
+        "--source wds:PATTERN, parquet:PATH and hf:PATH read local WebDataset tar shards (members '<key>.<field>' "
+        "grouped into samples, bytes as stored), Parquet files (one row a sample, columns as fields) or a Hugging "
+        "Face dataset saved with save_to_disk (one row a sample, --split). --shard I/N takes "
         "files I, I+N, ... of the sorted list. The cursor pins the file and the sample in it, with a fingerprint "
         "of this producer's files: if a file was added, removed or rewritten since, the run refuses "
         "(ConfigMismatch).\n\n"
@@ -203,7 +204,8 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--source", metavar="SPEC", action="append",
                      help="wds:PATTERN (local WebDataset tar shards, a glob or a brace pattern such as "
                           "'train-{000..127}.tar'), parquet:PATH (a file or a directory of .parquet files, one row "
-                          "a sample) or dir:PATH (the same as --from-dir PATH); NAME=SPEC, repeated, draws from "
+                          "a sample), hf:PATH (a Hugging Face dataset saved with save_to_disk; see --split) or "
+                          "dir:PATH (the same as --from-dir PATH); NAME=SPEC, repeated, draws from "
                           "several named sources by the mixture in force (see 'lakestream mix')")  # fmt: skip
     p.add_argument("--shard", type=_shard, default="0/1", metavar="I/N",
                    help="--source wds:/parquet:: read files I, I+N, I+2N, ... of the sorted list (producer I of N)")  # fmt: skip
@@ -578,7 +580,8 @@ async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Produc
             figures["map"] = {"records": m.records, "outputs": m.outputs, "dropped": m.dropped, "skipped": m.skipped}
         print(orjson.dumps(figures).decode())
     print(
-        f"producer {a.producer_id} epoch {r.epoch}: resumed at {describe(r.resumed_at)}, {s.samples} samples, "
+        f"producer {a.producer_id} epoch {r.epoch}: "
+        f"{'started' if r.resumed_at is None else f'resumed at {describe(r.resumed_at)}'}, {s.samples} samples, "
         f"{s.tgbs_committed} TGBs in {s.commits} commits, {s.bytes_uploaded / 1e6:.1f} MB in {r.seconds:.2f} s"
     )
     if r.held_back:
@@ -637,6 +640,9 @@ async def _read(a: argparse.Namespace) -> int:
         start = a.from_step if a.from_step is not None else r.state.first_step
         stop = a.to_step + 1 if a.to_step is not None else r.state.head + 1
         n = nbytes = 0
+        if stop - 1 > r.state.head:
+            head = f"the head is step {r.state.head}" if r.state.head >= 0 else "no step is committed yet"
+            print(f"rank {a.rank}: steps up to {stop - 1} will be read as they are committed ({head})", file=sys.stderr)
         with progress() as bars:
             async for batch in r.steps(start, stop):
                 n += 1
@@ -764,6 +770,13 @@ def status_dict(state: lakestream.State) -> dict[str, Any]:
     }
 
 
+def _steps(first: int, head: int) -> str:
+    """`steps F..H`, or what a stream with no retained step has."""
+    if head >= first:
+        return f"steps {first}..{head}"
+    return "no steps yet" if head < 0 else f"no steps retained (the next is {head + 1})"
+
+
 async def _status(a: argparse.Namespace) -> int:
     state = await lakestream.load_state(a.url)
     d = status_dict(state)
@@ -771,7 +784,7 @@ async def _status(a: argparse.Namespace) -> int:
         sys.stdout.write(orjson.dumps(d, option=orjson.OPT_INDENT_2).decode() + "\n")
         return 0
     print(f"stream {a.url}: world size {d['world_size']}, global batch {d['global_batch']}")
-    print(f"  steps {d['first_step']}..{d['head_step']}, manifest version {d['version']}, watermark {d['watermark']}")
+    print(f"  {_steps(d['first_step'], d['head_step'])}, manifest version {d['version']}, watermark {d['watermark']}")
     for pid, p in d["producers"].items():
         print(_safe(f"  producer {pid}: epoch {p['epoch']}, seq {p['seq']}, cursor {p['cursor']!r}"))
     for r in d["rejected"]:
@@ -794,7 +807,7 @@ async def _verify(a: argparse.Namespace) -> int:
     for problem in report.problems:
         print(_safe(f"FAIL {problem}"))
     print(
-        f"{'OK' if report.ok else 'FAILED'}: {a.url}: steps {report.first_step}..{report.head} ({report.steps}), "
+        f"{'OK' if report.ok else 'FAILED'}: {a.url}: {_steps(report.first_step, report.head)} ({report.steps}), "
         f"{report.samples} samples, {report.bytes / 1e6:.1f} MB, version {report.version}, "
         f"{len(report.problems)} problems"
     )
@@ -928,6 +941,9 @@ EXPECTED = (LakestreamError, OSError, ValueError, ImportError, subprocess.Called
 
 def _fail(args: argparse.Namespace, e: BaseException) -> int:
     """Print `e` as one line on stderr; the exit status."""
+    if isinstance(e, BrokenPipeError):  # `lakestream status | head`: the reader left; so do we, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error flushing stdout at exit
+        return 128 + signal.SIGPIPE
     if isinstance(e, KeyboardInterrupt):
         print(f"lakestream {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -65,9 +65,15 @@ def current_incarnation(state: State, producer: str, epoch: int, url: str = "") 
     """The producer's state, if `epoch` is still its current incarnation; else ProducerFenced."""
     p = state.producers.get(producer)
     if p is None or p.epoch != epoch:
-        raise ProducerFenced(
-            f"{url}: producer {producer!r} epoch {epoch} is fenced (the manifest has epoch {p.epoch if p else None})"
-        )
+        if p is not None and p.token:  # a register record: another process took the id
+            why = (f"another process registered as producer {producer!r} (epoch {p.epoch}) and fenced this one "
+                   f"(epoch {epoch}); run one process per producer id")  # fmt: skip
+        elif p is not None:  # a rewind or a new global batch fenced every producer
+            why = (f"producer {producer!r} epoch {epoch} was fenced by a rewind or a new global batch; run it again "
+                   "to resume from its cursor there")  # fmt: skip
+        else:
+            why = f"producer {producer!r} is not registered"
+        raise ProducerFenced(f"{url}: {why}")
     return p
 
 

@@ -60,7 +60,10 @@ def load_function(spec: str) -> MapFunction:
         raise ValueError(f"--map {spec!r}: expected MODULE:FUNCTION")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:  # the module is missing or fails to import: say it was --map's
+        raise ValueError(f"--map {spec!r}: cannot import {module_name!r}: {e}") from e
     fn: Any = module
     for part in name.split("."):
         fn = getattr(fn, part, None)

@@ -15,6 +15,8 @@ import anyio
 import numpy as np
 import pytest
 from cliutil import (
+    LAKESTREAM,
+    cli_env,
     describe,
     make_source_dir,
     read_out_dir,
@@ -105,6 +107,36 @@ def test_status_of_an_empty_stream(tmp_path: Path) -> None:
     assert st["rejected"] == []
     r = run_cli("status", path, check=True)
     assert "world size 2, global batch 5" in r.stdout
+    assert "no steps yet" in r.stdout and "0..-1" not in r.stdout, r.stdout
+    r = run_cli("verify", path, check=True)
+    assert "no steps yet" in r.stdout and "0..-1" not in r.stdout, r.stdout
+    # A read of a step not committed yet says that it waits, on stderr, and waits.
+    reader = spawn_cli("read", path, "--rank", 0, "--to-step", 0)
+    try:
+        assert reader.stderr is not None
+        line = reader.stderr.readline()  # said before it waits (the suite's timeout bounds a silent wait)
+        assert "rank 0: steps up to 0 will be read as they are committed (no step is committed yet)" in line, line
+        assert reader.poll() is None
+    finally:
+        reader.kill()
+        reader.communicate()
+
+
+def test_output_into_a_closed_pipe_and_a_mistyped_map_are_one_line_or_quiet(tmp_path: Path) -> None:
+    import subprocess
+
+    url = file_url(tmp_path / "s")
+    run_cli("init", url, "--world-size", 1, "--global-batch", 1, check=True)
+    run_cli("produce", url, "--producer-id", "p", "--synthetic", 3000, "--sample-size", 8, check=True)
+    # `lakestream read URL | head -1`: the reader stops quietly when head leaves.
+    r = subprocess.run(
+        f"{' '.join(LAKESTREAM)} read {url} --rank 0 --to-step 2999 | head -1",
+        shell=True, capture_output=True, text=True, timeout=120, env=cli_env(),
+    )  # fmt: skip
+    assert r.stdout.startswith("step 0: 1 samples") and r.stderr == "", r.stderr
+    r = run_cli("produce", url, "--producer-id", "q", "--synthetic", 4, "--map", "typo_module:fn", check=False)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--map 'typo_module:fn': cannot import 'typo_module'" in lines[0], describe(r)
 
 
 # -- produce and read -----------------------------------------------------------------------------
@@ -130,7 +162,7 @@ def test_produce_then_read_reproduces_every_file(backend: str, tmp_path: Path, r
     (src / "subdir.txt").mkdir()
 
     r = run_cli("produce", url, "--producer-id", "shard-0", "--from-dir", src, env=env, check=True)
-    assert "resumed at 0, 45 samples" in r.stdout, describe(r)
+    assert "epoch 1: started, 45 samples" in r.stdout, describe(r)
     per_rank = read_all(url, world, tmp_path / "out", env=env)
     steps = -(-45 // batch)
     for rank, got in enumerate(per_rank):

@@ -152,7 +152,7 @@ async def test_a_newer_incarnation_fences_the_older(store) -> None:
         await old.flush()
         new = await produce(store, "p", 2 * B)  # resumes at cursor B, commits one more TGB
         assert new.epoch == old.epoch + 1
-        with pytest.raises(ProducerFenced, match="fenced"):
+        with pytest.raises(ProducerFenced, match="another process registered as producer 'p'"):
             for i in range(B, 2 * B):
                 await old.put({"txt": str(i)}, cursor=i + 1)
             await old.close()
