@@ -882,12 +882,14 @@ class HfSource(_Sharded):
             raise ValueError(f"{self.what}: {path} is not a JSON object")
         return value
 
-    def _file(self, path: str, start: int) -> _ArrowFile:
-        """The arrow file at `path`, to be read from row `start` on: the one last read if it is not past
-        that row (units of a file read in order continue where the last one stopped), else opened again."""
-        if self._arrow is None or self._arrow.path != path or self._arrow.row > start:
-            self._arrow = _ArrowFile(self._pa, path, self.what)
-        return self._arrow
+    def _take(self, path: str, start: int) -> _ArrowFile:
+        """The arrow file at `path`, to be read from row `start` on: the one last read, if it is not past
+        that row (units of a file read in order continue where the last one stopped), else opened again.
+        It is the caller's until it hands it back (`self._arrow = ...`)."""
+        arrow, self._arrow = self._arrow, None
+        if arrow is None or arrow.path != path or arrow.row > start:
+            arrow = _ArrowFile(self._pa, path, self.what)
+        return arrow
 
     def _cursor(self, epoch: int, index: int, name: str, sample: int) -> dict[str, Any]:
         cursor = super()._cursor(epoch, index, name, sample)
@@ -909,32 +911,35 @@ class HfSource(_Sharded):
             raise ConfigMismatch(
                 f"{where}: the committed cursor is {skip} rows into {f.name}, which has {stop - start}"
             )
-        arrow = self._file(file.path, start + skip)
-        columns = arrow.schema.names
-        if self.key_column is not None and self.key_column not in columns:
-            raise ValueError(f"{where}: no column {self.key_column!r} (--key-column); columns: {columns}")
-        _check_columns(columns, self.key_column, where)
-        media = {c.name: m for c in arrow.schema if (m := _media(c.type)) is not None}
-        prefix = self.split.replace(".", "-")
-        row = start + skip  # in the file
-        for at, batch in arrow.batches(row):  # a record batch at a time: what is held is one batch
-            end = min(stop, at + batch.num_rows)
-            for a in range(row, end, 256):
-                for values in batch.slice(a - at, min(end - a, 256)).to_pylist():
-                    where_row = f"{where} row {row}"
-                    for column, convert in media.items():
-                        try:
-                            values[column] = convert(values[column])
-                        except _NotEmbedded as e:
-                            raise InvalidSample(
-                                f"{where_row} column {column!r}: the media value holds only a path ({e}), not its bytes"
-                            ) from None
-                    yield _row_sample(values, f"{prefix}-{first + row:09d}", self.key_column, where_row)
-                    row += 1
-            if row == stop:
-                break
-        if row < stop:
-            raise ConfigMismatch(f"{where}: it holds {row} rows, not {stop} as it did when listed")
+        arrow = self._take(file.path, start + skip)
+        try:
+            columns = arrow.schema.names
+            if self.key_column is not None and self.key_column not in columns:
+                raise ValueError(f"{where}: no column {self.key_column!r} (--key-column); columns: {columns}")
+            _check_columns(columns, self.key_column, where)
+            media = {c.name: m for c in arrow.schema if (m := _media(c.type)) is not None}
+            prefix = self.split.replace(".", "-")
+            row = start + skip  # in the file
+            for at, batch in arrow.batches(row):  # a record batch at a time: what is held is one batch
+                end = min(stop, at + batch.num_rows)
+                for a in range(row, end, 256):
+                    for values in batch.slice(a - at, min(end - a, 256)).to_pylist():
+                        where_row = f"{where} row {row}"
+                        for column, convert in media.items():
+                            try:
+                                values[column] = convert(values[column])
+                            except _NotEmbedded as e:
+                                raise InvalidSample(
+                                    f"{where_row} column {column!r}: the media value holds only a path ({e}), not its bytes"
+                                ) from None
+                        yield _row_sample(values, f"{prefix}-{first + row:09d}", self.key_column, where_row)
+                        row += 1
+                if row == stop:
+                    break
+            if row < stop:
+                raise ConfigMismatch(f"{where}: it holds {row} rows, not {stop} as it did when listed")
+        finally:
+            self._arrow = arrow  # for the next unit
 
 
 class _ArrowFile:
