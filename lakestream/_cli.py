@@ -210,7 +210,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", type=_shard, default="0/1", metavar="I/N",
                    help="--source wds:/parquet:: read files I, I+N, I+2N, ... of the sorted list (producer I of N)")  # fmt: skip
     p.add_argument("--key-column", metavar="COL", default=None,
-                   help="--source parquet:: the column holding the sample key (default: <file stem>-<row index>)")  # fmt: skip
+                   help="--source parquet:: the column holding the sample key (default: <file name>-<row index>)")  # fmt: skip
     p.add_argument("--split", metavar="NAME", default=None,
                    help="--source hf:: the split of a DatasetDict saved with save_to_disk (default: its only one)")  # fmt: skip
     p.add_argument("--epochs", type=int, default=1, metavar="E",

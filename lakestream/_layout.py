@@ -23,6 +23,7 @@ __all__ = [
     "LATEST_NAME",
     "LOG_PREFIX",
     "META_NAME",
+    "RESERVED_FIELDS",
     "RESERVED_KEYS",
     "SEGMENTS_PREFIX",
     "SNAPSHOT_PREFIX",
@@ -50,6 +51,7 @@ SOURCE_FIELD = "__source__"  # the field naming a sample's source under a mixtur
 STATUS_NAME = "_status.json"  # the mount's status file, at its root
 META_NAME = "_meta.json"  # the mount's index of one rank slice, in its step directory
 LATEST_NAME = "latest"  # the mount's symlink to a rank's newest step
+RESERVED_FIELDS = frozenset({KEY_FIELD, COST_FIELD, SOURCE_FIELD})  # what a source's own data may not name a field
 RESERVED_KEYS = frozenset({STATUS_NAME.removesuffix(".json"), META_NAME.removesuffix(".json")})
 
 

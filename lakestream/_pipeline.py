@@ -27,7 +27,7 @@ from ._producer import Producer, ProducerStats
 from ._records import check_weights
 from ._sources import synthetic_source
 from ._transform import MapFunction, MapStats, source_cursor, transform
-from .sources import Source, open_source
+from .sources import Source, WdsSource, open_source
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,9 @@ async def produce(
                     on_open(p)
                 metrics.track_map(p.store.url, producer_id, mapped)
                 start = p.cursor
+                for src in [single] if named is None else sources.values():
+                    if isinstance(src, WdsSource):  # refuses a sample over the limit before reading it
+                        src.max_sample_bytes = p.config.max_sample_bytes
                 if named is None:
                     if p.mix_now()[1] is not None:
                         raise ConfigMismatch(

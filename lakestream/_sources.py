@@ -15,6 +15,7 @@ import numpy as np
 import orjson
 
 from ._errors import ConfigMismatch, InvalidSample
+from ._layout import RESERVED_FIELDS
 
 __all__ = [
     "DECODERS",
@@ -22,6 +23,7 @@ __all__ = [
     "describe_cursor",
     "dir_source",
     "list_dir",
+    "reserved_names",
     "synthetic_sample",
     "synthetic_source",
 ]
@@ -110,6 +112,11 @@ def decode_field(field: str, data: bytes, where: str) -> Any:
         raise InvalidSample(f"{where}: cannot decode as .{ext}: {e}") from None
 
 
+def reserved_names() -> str:
+    """The field names a source's data may not use, for messages: `'__cost__', '__key__', '__source__'`."""
+    return ", ".join(repr(n) for n in sorted(RESERVED_FIELDS))
+
+
 def _npy(data: bytes) -> np.ndarray:
     return np.lib.format.read_array(io.BytesIO(data), allow_pickle=False)
 
@@ -183,7 +190,8 @@ def dir_source(
     NAME), so that a changed directory is never duplicated or skipped silently. Files added after
     NAME are produced. An int cursor (committed by earlier versions) is the position in the sorted
     list to resume at, as before. Raises InvalidSample for a file without a field extension, a
-    name that is not UTF-8, a link out of the directory, or a file `decode` cannot decode.
+    field with a reserved name (`__key__`, `__cost__`, `__source__`), a name that is not UTF-8, a
+    link out of the directory, or a file `decode` cannot decode.
     """
     root = Path(directory)
     if not root.is_dir():
@@ -198,6 +206,11 @@ def dir_source(
         sample: dict[str, Any] = {"__key__": key}
         while i < len(names) and _key(names[i]) == key and "." in names[i]:
             field = names[i].partition(".")[2]
+            if field in RESERVED_FIELDS:
+                raise InvalidSample(
+                    f"{root / names[i]}: field {field!r} is a reserved name ({reserved_names()} are not data "
+                    "fields); rename the file"
+                )
             data = _read_file(root, names[i], follow_symlinks)
             sample[field] = decode_field(field, data, str(root / names[i])) if decode else data
             h.update(names[i].encode() + b"\0")

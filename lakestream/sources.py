@@ -36,24 +36,30 @@ sequence an uninterrupted one would; a cursor committed with another seed is ref
 
 from __future__ import annotations
 
+import bz2
+import collections
 import contextlib
 import fnmatch
 import glob
+import gzip
 import hashlib
 import json
+import lzma
 import math
 import os
 import posixpath
 import random
 import re
 import tarfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, cast
 
-from ._errors import ConfigMismatch, InvalidSample
-from ._sources import describe_cursor, dir_source
+from ._errors import ConfigMismatch, InvalidSample, LakestreamError
+from ._layout import RESERVED_FIELDS
+from ._sources import describe_cursor, dir_source, reserved_names
 
 if TYPE_CHECKING:  # botocore is imported only for a source in S3: it takes a second to import
     from ._remote import RemoteObject, S3Objects
@@ -68,6 +74,7 @@ __all__ = [
     "WdsSource",
     "describe",
     "expand_braces",
+    "key_text",
     "open_source",
     "parse_shard",
 ]
@@ -419,13 +426,25 @@ class WdsSource(_Sharded):
     PATTERN is a glob, a brace pattern such as `/data/train-{000..127}.tar`, or both; a pattern
     without glob characters must name an existing file (object). In S3 the keys under the literal
     prefix of the pattern are listed once and matched, `*` never matching a `/`. The files are
-    sorted by path (key). Members are
-    read in order in streaming mode (a shard is never loaded whole) and grouped as WebDataset does:
-    consecutive members with the same key (the member path up to the first dot of its base name)
-    make one sample, the rest of the name is the field, the bytes are as stored. Directory entries
-    and hidden members are skipped; a member without a field extension, or a field twice in one
-    sample, raises InvalidSample. The cursor's `sample` counts samples within the shard.
+    sorted by path (key). Members are read in order in streaming mode (a shard is never loaded
+    whole) and grouped as WebDataset does: consecutive members with the same key (the member path,
+    without a leading `./`, up to the first dot of its base name) make one sample, the rest of the
+    base name is the field, the bytes are as stored. The sample's key is that member key as
+    `key_text` writes it (`a/0017.seg.png`: key `a%2F0017`, field `seg.png`). Directory entries and
+    hidden members are skipped; a member without a field extension, a field twice in one sample, a
+    key whose members are not adjacent, or a reserved field name (`__key__`, `__cost__`,
+    `__source__`) raises InvalidSample. The cursor's `sample` counts samples within the shard.
+
+    A shard is read to its real end: its end-of-archive (a zero block followed by nothing but
+    zeros) or the end of its data at a member boundary. Anything else where tarfile stops (a
+    damaged header, a truncated one, data after a zeroed block), a truncated or damaged compressed
+    stream (`.tar.gz`, `.tar.bz2`, `.tar.xz`, told by their magic numbers; their checksums are
+    checked at their end), raises InvalidSample naming the file. With `max_sample_bytes` set (the
+    producer pipeline sets it to the stream's), a sample whose members add up to more is refused by
+    their tar headers before they are read.
     """
+
+    max_sample_bytes: int | None = None
 
     def __init__(self, pattern: str, shard: tuple[int, int] = (0, 1)) -> None:
         self.what, self.shard = f"wds:{pattern}", shard
@@ -454,35 +473,63 @@ class WdsSource(_Sharded):
 
     def _samples(self, f: _File, skip: int) -> Iterator[dict[str, Any]]:
         where = f"{self.what}: {f.path}"
+        limit = self.max_sample_bytes
         sample: dict[str, Any] | None = None
+        size = 0  # the bytes of the sample's fields, by their headers
         seen = 0
+        keys: set[str] = set()
         try:
-            with self._open(f) as raw, tarfile.open(fileobj=raw, mode="r|*") as tar:
+            with (
+                self._open(f) as raw,
+                contextlib.closing(_TarData(raw, where)) as data,
+                tarfile.open(fileobj=cast(BinaryIO, data), mode="r|") as tar,
+            ):
                 for member in tar:
                     if not member.isfile():
                         continue
-                    base = os.path.basename(member.name)
+                    path = member.name
+                    while path.startswith("./"):
+                        path = path[2:]
+                    directory, _, base = path.rpartition("/")
                     if base.startswith("."):
                         continue
                     head, dot, field = base.partition(".")
                     if not dot or not head or not field:
                         raise InvalidSample(f"{where}: member {member.name!r} has no <key>.<field> name")
-                    key = f"{os.path.dirname(member.name)}/{head}" if "/" in member.name else head
+                    if field in RESERVED_FIELDS:
+                        raise InvalidSample(
+                            f"{where}: member {member.name!r}: field {field!r} is a reserved name "
+                            f"({reserved_names()} are not data fields); rename the member"
+                        )
+                    key = key_text(f"{directory}/{head}" if directory else head)
                     if sample is not None and sample["__key__"] != key:
                         seen += 1
                         if seen > skip:
                             yield sample
                         sample = None
                     if sample is None:
-                        sample = {"__key__": key}
+                        if key in keys:
+                            raise InvalidSample(
+                                f"{where}: sample {key!r} appears twice (member {member.name!r} is not next "
+                                "to the other members of its key)"
+                            )
+                        keys.add(key)
+                        sample, size = {"__key__": key}, 0
                     if field in sample:
                         raise InvalidSample(f"{where}: sample {key!r} has field {field!r} twice")
                     if seen < skip:
                         sample[field] = b""  # skipped: its bytes are not needed
                         continue
-                    data = tar.extractfile(member)
-                    assert data is not None  # a regular file
-                    sample[field] = data.read()
+                    size += member.size
+                    if limit is not None and size > limit:
+                        raise InvalidSample(
+                            f"{where}: sample {key!r} is at least {size} bytes with member {member.name!r}, "
+                            f"over the stream's maximum of {limit} (max_sample_bytes); it is not read"
+                        )
+                    extracted = tar.extractfile(member)
+                    assert extracted is not None  # a regular file
+                    sample[field] = extracted.read()
+                data.check_end(tar.offset)
         except tarfile.TarError as e:
             raise InvalidSample(f"{where}: not a readable tar file: {e}") from None
         if sample is not None:
@@ -491,6 +538,106 @@ class WdsSource(_Sharded):
                 yield sample
         if seen < skip:
             raise ConfigMismatch(f"{where}: the committed cursor is {skip} samples into it, but it holds {seen}")
+
+
+def key_text(text: str) -> str:
+    """`text` (a path) as part of a sample key: `%` written `%25`, `/` `%2F` and `.` `%2E`, which keys
+    cannot hold. Different texts give different keys; `urllib.parse.unquote` gives the text back."""
+    return text.replace("%", "%25").replace("/", "%2F").replace(".", "%2E")
+
+
+_BLOCK = 512  # a tar block
+_COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"))
+
+
+class _TarData:
+    """A tar file's bytes for tarfile's stream mode: decompressed when the file starts with the magic
+    number of gzip, bzip2 or xz (their decompressors check the stream's checksum at its end), counted,
+    and the last of them kept, so that `check_end` can look at the block where tarfile stopped.
+    Decompression errors, a truncated stream included, raise InvalidSample naming the file."""
+
+    READ = 1 << 16  # at most this many bytes a read
+    KEEP = 1 << 18  # at least this many of the last bytes are kept (tarfile reads 10 KiB ahead)
+
+    def __init__(self, raw: BinaryIO, where: str) -> None:
+        self.where = where
+        head = b""
+        while len(head) < 6 and (more := raw.read(6 - len(head))):
+            head += more
+        self.kind = next((kind for magic, kind in _COMPRESSED if head.startswith(magic)), None)
+        plain = cast(BinaryIO, _Prefixed(head, raw))
+        self.inner: Any = plain  # closed by `close` (which leaves `raw` open)
+        if self.kind == "gzip":
+            self.inner = gzip.GzipFile(fileobj=plain, mode="rb")
+        elif self.kind == "bzip2":
+            self.inner = bz2.BZ2File(plain)
+        elif self.kind == "xz":
+            self.inner = lzma.LZMAFile(plain)  # noqa: SIM115
+        self.count = 0  # bytes read so far
+        self.tail: collections.deque[tuple[int, bytes]] = collections.deque()  # (offset, bytes) of the last reads
+        self.kept = 0
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.READ if n < 0 else min(n, self.READ)
+        try:
+            data: bytes = self.inner.read(n)
+        except LakestreamError:
+            raise
+        except (OSError, EOFError, zlib.error, lzma.LZMAError) as e:
+            if self.kind is None:
+                raise
+            raise InvalidSample(f"{self.where}: not a readable {self.kind} stream: {e}") from None
+        if data:
+            self.tail.append((self.count, data))
+            self.count += len(data)
+            self.kept += len(data)
+            while self.kept - len(self.tail[0][1]) >= self.KEEP:
+                self.kept -= len(self.tail.popleft()[1])
+        return data
+
+    def close(self) -> None:
+        if self.kind is not None:
+            self.inner.close()
+
+    def check_end(self, offset: int) -> None:
+        """Raise InvalidSample unless the archive really ends where tarfile stopped, at `offset`: there the
+        data ends, or a zero block is followed by nothing but zeros up to the end (read through, so that a
+        compressed stream's checksum is checked)."""
+        at = f"byte {offset}" + (f" of the decompressed {self.kind} stream" if self.kind else "")
+        if self.count < offset:
+            raise InvalidSample(f"{self.where}: the tar data ends before {at}: the shard is truncated")
+        assert self.tail and self.tail[0][0] <= offset, "tarfile stopped before the bytes kept"
+        rest = b"".join(data for _, data in self.tail)[offset - self.tail[0][0] :]
+        if not rest:
+            return  # no end-of-archive blocks: the data ends at a member boundary
+        if len(rest) < _BLOCK:
+            raise InvalidSample(f"{self.where}: the tar header at {at} is truncated: the shard is truncated")
+        if rest[:_BLOCK].count(0) != _BLOCK:
+            raise InvalidSample(f"{self.where}: the tar header at {at} is damaged (bad checksum or format)")
+        while rest:
+            if rest.count(0) != len(rest):
+                raise InvalidSample(
+                    f"{self.where}: data follows the end-of-archive block at {at}: a zeroed header, or a "
+                    "second archive appended; the shard is damaged"
+                )
+            rest = self.read()
+
+
+class _Prefixed:
+    """`head`, then the rest of `raw`: a stream whose first bytes were already read."""
+
+    def __init__(self, head: bytes, raw: BinaryIO) -> None:
+        self.head, self.raw = head, raw
+
+    def read(self, n: int = -1) -> bytes:
+        if not self.head:
+            return self.raw.read(n)
+        if n < 0:
+            data, self.head = self.head, b""
+            return data + self.raw.read()
+        data = self.head[:n]
+        self.head = self.head[len(data) :]
+        return data
 
 
 # -- Parquet ---------------------------------------------------------------------------------------
@@ -523,8 +670,11 @@ class ParquetSource(_Sharded):
     S3, `parquet:s3://BUCKET/KEY` names an object, or else the `.parquet` objects under `KEY/`.
 
     One row is one sample. With `key_column` that column's value (text or an integer) is the key
-    and is not stored as a field; without it the key is `<file stem>-<row index>`. Every other
-    column is a field, as the Python value pyarrow gives (bytes, str, int, float, bool, None,
+    and is not stored as a field; without it the key is `<name>-<row index:09d>`, `<name>` the
+    file's name (its path relative to the source's root, as the cursor names it) without its
+    `.parquet` suffix, as `key_text` writes it (`y=1/part-0.parquet` row 3: `y=1%2Fpart-0-000000003`),
+    so that no two rows of the source share a key. A column named `__key__`, `__cost__` or
+    `__source__` (other than `key_column`) raises InvalidSample. Every other column is a field, as the Python value pyarrow gives (bytes, str, int, float, bool, None,
     lists and structs of those); other values (timestamps, decimals, NaN) raise InvalidSample
     naming the file, row and column. Row groups are read one at a time (from S3: ranged GETs of
     that group's column chunks), so memory holds one row group. The cursor's `sample` counts rows
@@ -560,6 +710,7 @@ class ParquetSource(_Sharded):
             columns = pf.schema_arrow.names
             if self.key_column is not None and self.key_column not in columns:
                 raise ValueError(f"{where}: no column {self.key_column!r} (--key-column); columns: {columns}")
+            _check_columns(columns, self.key_column, where)
             meta = pf.metadata
             if skip > meta.num_rows:
                 raise ConfigMismatch(
@@ -575,15 +726,25 @@ class ParquetSource(_Sharded):
                     row += n
             if not groups:
                 return
-            stem = Path(f.name).name.removesuffix(".parquet")
+            prefix = key_text(f.name.removesuffix(".parquet"))
             for g in groups:  # a row group at a time: what is read (in S3: fetched) and held is one row group
                 for batch in pf.read_row_group(g).to_batches(max_chunksize=256):
                     for values in batch.to_pylist():
                         if row < skip:
                             row += 1
                             continue
-                        yield _row_sample(values, f"{stem}-{row:09d}", self.key_column, f"{where} row {row}")
+                        yield _row_sample(values, f"{prefix}-{row:09d}", self.key_column, f"{where} row {row}")
                         row += 1
+
+
+def _check_columns(columns: list[str], key_column: str | None, where: str) -> None:
+    """InvalidSample naming the columns with a reserved name (`RESERVED_FIELDS`), but `key_column`."""
+    reserved = [c for c in columns if c in RESERVED_FIELDS and c != key_column]
+    if reserved:
+        raise InvalidSample(
+            f"{where}: column(s) {reserved} have reserved names ({reserved_names()} are not data fields); "
+            "rename them, or name one with --key-column to make it the key"
+        )
 
 
 def _row_sample(values: dict[str, Any], key: str, key_column: str | None, where: str) -> dict[str, Any]:
@@ -710,8 +871,8 @@ class HfSource(_Sharded):
             seen.add(name)
             files.append(_stat(str(where / name), name))
         self._pa = pa
-        self._table: tuple[str, Any] | None = None
-        counts = [self._open_table(f.path).num_rows for f in files]
+        self._arrow: _ArrowFile | None = None  # the file last read, where it is
+        counts = [sum(b.num_rows for _, b in _ArrowFile(pa, f.path, self.what).batches(0)) for f in files]
         self.rows = sum(counts)
         i, n = shard
         lo, hi = i * self.rows // n, (i + 1) * self.rows // n
@@ -739,16 +900,14 @@ class HfSource(_Sharded):
             raise ValueError(f"{self.what}: {path} is not a JSON object")
         return value
 
-    def _open_table(self, path: str) -> Any:
-        """The arrow file at `path` as a table over its memory map (nothing is copied); the last one is kept."""
-        if self._table is None or self._table[0] != path:
-            try:
-                with self._pa.memory_map(path) as source:
-                    table = self._pa.ipc.open_stream(source).read_all()
-            except self._pa.ArrowInvalid as e:
-                raise InvalidSample(f"{self.what}: {path} is not an arrow stream file: {e}") from None
-            self._table = (path, table)
-        return self._table[1]
+    def _take(self, path: str, start: int) -> _ArrowFile:
+        """The arrow file at `path`, to be read from row `start` on: the one last read, if it is not past
+        that row (units of a file read in order continue where the last one stopped), else opened again.
+        It is the caller's until it hands it back (`self._arrow = ...`)."""
+        arrow, self._arrow = self._arrow, None
+        if arrow is None or arrow.path != path or arrow.row > start:
+            arrow = _ArrowFile(self._pa, path, self.what)
+        return arrow
 
     def _cursor(self, epoch: int, index: int, name: str, sample: int) -> dict[str, Any]:
         cursor = super()._cursor(epoch, index, name, sample)
@@ -770,23 +929,64 @@ class HfSource(_Sharded):
             raise ConfigMismatch(
                 f"{where}: the committed cursor is {skip} rows into {f.name}, which has {stop - start}"
             )
-        table = self._open_table(file.path)
-        if table.num_rows < stop:
-            raise ConfigMismatch(f"{where}: it holds {table.num_rows} rows, not {stop} as it did when listed")
-        if self.key_column is not None and self.key_column not in table.column_names:
-            raise ValueError(f"{where}: no column {self.key_column!r} (--key-column); columns: {table.column_names}")
-        media = {c.name: m for c in table.schema if (m := _media(c.type)) is not None}
-        prefix = self.split.replace(".", "-")
-        row = first + start + skip
-        for batch in table.slice(start + skip, stop - start - skip).to_batches(max_chunksize=256):
-            for values in batch.to_pylist():
-                at = f"{where} row {row - first}"
-                for column, convert in media.items():
-                    try:
-                        values[column] = convert(values[column])
-                    except _NotEmbedded as e:
-                        raise InvalidSample(
-                            f"{at} column {column!r}: the media value holds only a path ({e}), not its bytes"
-                        ) from None
-                yield _row_sample(values, f"{prefix}-{row:09d}", self.key_column, at)
-                row += 1
+        arrow = self._take(file.path, start + skip)
+        try:
+            columns = arrow.schema.names
+            if self.key_column is not None and self.key_column not in columns:
+                raise ValueError(f"{where}: no column {self.key_column!r} (--key-column); columns: {columns}")
+            _check_columns(columns, self.key_column, where)
+            media = {c.name: m for c in arrow.schema if (m := _media(c.type)) is not None}
+            prefix = self.split.replace(".", "-")
+            row = start + skip  # in the file
+            for at, batch in arrow.batches(row):  # a record batch at a time: what is held is one batch
+                end = min(stop, at + batch.num_rows)
+                for a in range(row, end, 256):
+                    for values in batch.slice(a - at, min(end - a, 256)).to_pylist():
+                        where_row = f"{where} row {row}"
+                        for column, convert in media.items():
+                            try:
+                                values[column] = convert(values[column])
+                            except _NotEmbedded as e:
+                                raise InvalidSample(
+                                    f"{where_row} column {column!r}: the media value holds only a path ({e}), not its bytes"
+                                ) from None
+                        yield _row_sample(values, f"{prefix}-{first + row:09d}", self.key_column, where_row)
+                        row += 1
+                if row == stop:
+                    break
+            if row < stop:
+                raise ConfigMismatch(f"{where}: it holds {row} rows, not {stop} as it did when listed")
+        finally:
+            self._arrow = arrow  # for the next unit
+
+
+class _ArrowFile:
+    """An arrow stream file (`save_to_disk`'s `.arrow`), memory-mapped and read one record batch at a
+    time: a compressed batch is decompressed when it is read, so memory holds one batch, never the file.
+    An arrow error (not an arrow stream, a damaged batch) raises InvalidSample naming the file."""
+
+    def __init__(self, pa: Any, path: str, what: str) -> None:
+        self.path, self.where, self._pa = path, f"{what}: {path}", pa
+        try:
+            self._reader = pa.ipc.open_stream(pa.memory_map(path))
+        except pa.ArrowException as e:
+            raise InvalidSample(f"{self.where} is not an arrow stream file: {e}") from None
+        self.schema = self._reader.schema
+        self.row = 0  # the first row of `batch`, or of the next batch read
+        self.batch: Any = None
+
+    def batches(self, start: int) -> Iterator[tuple[int, Any]]:
+        """(first row, record batch) for every batch from the one holding row `start` on. A batch left
+        unfinished (the consumer stopped) is the first one again for the next call."""
+        while True:
+            if self.batch is None:
+                try:
+                    self.batch = self._reader.read_next_batch()
+                except StopIteration:
+                    return
+                except self._pa.ArrowException as e:
+                    raise InvalidSample(f"{self.where}: unreadable record batch at row {self.row}: {e}") from None
+            if self.row + self.batch.num_rows > start:
+                yield self.row, self.batch
+            self.row += self.batch.num_rows
+            self.batch = None
