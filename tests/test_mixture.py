@@ -65,7 +65,7 @@ def state_with_producer() -> State:
 
 def tgb(seq: int, mix: int | None, sources: dict[str, int] | None) -> CommitRecord:
     n = sum(sources.values()) if sources else 10
-    ref = TgbRef(f"segments/p/{seq}", ((0, 5, 0, n - n // 2), (5, 5, 0, n // 2)), seq + 1, mix, None)
+    ref = TgbRef(f"segments/p/1-{seq}-x.tgb", ((0, 5, 0, n - n // 2), (5, 5, 0, n // 2)), seq + 1, mix, None)
     if sources is not None:
         ref = TgbRef(ref.segment, ref.ranks, ref.cursor, mix, tuple(sources.items()))
     return CommitRecord("p", 1, seq, (ref,))
@@ -115,7 +115,7 @@ def test_a_tgb_sealed_under_other_weights_is_never_committed() -> None:
     assert s.apply(2, encode_record(MixRecord(0, (("a", 1.0), ("b", 1.0))))) is None
 
     class Pending:
-        seq, ref = 0, TgbRef("segments/p/0", ((0, 5, 0, 5), (5, 5, 0, 5)), 1, None, None)
+        seq, ref = 0, TgbRef("segments/p/1-0-x.tgb", ((0, 5, 0, 5), (5, 5, 0, 5)), 1, None, None)
 
     with pytest.raises(lakestream.MixChanged, match="start again"):
         decisions.commit(s, "p", 1, [Pending()], 0, 0.0)  # type: ignore[list-item]
