@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 __all__ = ["assign_ranks", "mix_counts", "reslice"]
@@ -94,7 +95,7 @@ def mix_counts(weights: Sequence[tuple[str, float]], batch: int) -> dict[str, in
     """Each source's samples in a global batch of `batch`: the largest-remainder rounding of
     weight / total weight x batch (ties to the source listed first). The counts add up to `batch`."""
     total = sum(w for _, w in weights)
-    if not weights or not total > 0 or batch < 0:
+    if not weights or not 0 < total < math.inf or batch < 0:  # a finite total: each share is from 0 to 1
         raise ValueError(f"mix_counts: weights {list(weights)[:8]}, batch {batch}")
     exact = [(name, w / total * batch) for name, w in weights]
     counts = {name: int(x) for name, x in exact}

@@ -89,12 +89,20 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def _nonneg(text: str) -> int:
-    """An argparse type: an integer >= 0 (steps and ranks)."""
+def _integer(text: str) -> int:
+    """An argparse type: a 64-bit signed integer (what a log record or a snapshot can hold)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not -(1 << 63) <= value < 1 << 63:
+        raise argparse.ArgumentTypeError(f"{text} is out of range (at most {(1 << 63) - 1})")
+    return value
+
+
+def _nonneg(text: str) -> int:
+    """An argparse type: an integer from 0 to 2^63 - 1 (steps and ranks)."""
+    value = _integer(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is negative (steps and ranks count from 0)")
     return value
@@ -167,13 +175,15 @@ def _parser() -> argparse.ArgumentParser:
         "is refused naming what differs (ConfigMismatch)."
     ))  # fmt: skip
     p.add_argument("url", help=url_help)
-    p.add_argument("--world-size", type=int, required=True, help="number of ranks that read the stream")
-    p.add_argument("--global-batch", type=int, required=True, help="samples in one step, over all ranks")
-    p.add_argument("--snapshot-every", type=int, default=1000, help="write a manifest snapshot every N log versions")
-    p.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints retained; GC keeps their steps")
-    p.add_argument("--max-steps-ahead", type=int, default=0,
+    p.add_argument("--world-size", type=_integer, required=True, help="number of ranks that read the stream")
+    p.add_argument("--global-batch", type=_integer, required=True, help="samples in one step, over all ranks")
+    p.add_argument(
+        "--snapshot-every", type=_integer, default=1000, help="write a manifest snapshot every N log versions"
+    )
+    p.add_argument("--keep-checkpoints", type=_integer, default=3, help="checkpoints retained; GC keeps their steps")
+    p.add_argument("--max-steps-ahead", type=_integer, default=0,
                    help="back-pressure: steps producers may commit past the watermark (0: no limit)")  # fmt: skip
-    p.add_argument("--max-sample-bytes", type=int, default=1 << 30, help="largest sample accepted, in bytes")
+    p.add_argument("--max-sample-bytes", type=_integer, default=1 << 30, help="largest sample accepted, in bytes")
 
     p = sub.add_parser("produce", help="produce samples from a source (WebDataset, Parquet, Hugging Face, a directory) or synthetic ones", description=(
         "Put samples into the stream as one producer, committing transactional global batches. It resumes "
@@ -200,7 +210,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="this producer's name: a rerun with it resumes (and fences the older run)")  # fmt: skip
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-dir", metavar="DIR", help="a directory of <key>.<field> files")
-    src.add_argument("--synthetic", type=int, metavar="N", help="N synthetic samples")
+    src.add_argument("--synthetic", type=_integer, metavar="N", help="N synthetic samples")
     src.add_argument("--source", metavar="SPEC", action="append",
                      help="wds:PATTERN (local WebDataset tar shards, a glob or a brace pattern such as "
                           "'train-{000..127}.tar'), parquet:PATH (a file or a directory of .parquet files, one row "
@@ -213,10 +223,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="--source parquet:: the column holding the sample key (default: <file name>-<row index>)")  # fmt: skip
     p.add_argument("--split", metavar="NAME", default=None,
                    help="--source hf:: the split of a DatasetDict saved with save_to_disk (default: its only one)")  # fmt: skip
-    p.add_argument("--epochs", type=int, default=1, metavar="E",
+    p.add_argument("--epochs", type=_integer, default=1, metavar="E",
                    help="--source wds:/parquet:: read this producer's files E times; keys of epoch e > 0 get the "
                         "suffix '-e<e>' when E > 1 (default: 1)")  # fmt: skip
-    p.add_argument("--shuffle-seed", type=int, default=None, metavar="S",
+    p.add_argument("--shuffle-seed", type=_integer, default=None, metavar="S",
                    help="--source wds:/parquet:: shuffle the file order of each epoch and the samples within "
                         f"windows of {SHUFFLE_WINDOW} samples, deterministically from S and the epoch, so a rerun "
                         "replays the same sequence (default: no shuffling, files in sorted order)")  # fmt: skip
@@ -231,9 +241,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="hold back a final partial global batch instead of committing a short last step",
     )
-    p.add_argument("--sample-size", type=int, default=64 << 10, help="synthetic sample bytes")
+    p.add_argument("--sample-size", type=_integer, default=64 << 10, help="synthetic sample bytes")
     p.add_argument("--work-ms", type=float, default=0.0, help="synthetic CPU work per sample, milliseconds")
-    p.add_argument("--max-inflight-bytes", type=int, default=256 << 20,
+    p.add_argument("--max-inflight-bytes", type=_integer, default=256 << 20,
                    help="bytes sealed but not yet committed before put waits")  # fmt: skip
     p.add_argument("--commit-policy", choices=["dac", "eager", "backoff", "interval"], default="dac",
                    help="when to commit (see docs/dac.md)")  # fmt: skip
@@ -261,7 +271,9 @@ def _parser() -> argparse.ArgumentParser:
     ))  # fmt: skip
     p.add_argument("url", help=url_help)
     p.add_argument("--source", metavar="SPEC", required=True, help="as for produce: wds:, parquet:, hf: or dir:")
-    p.add_argument("--producers", type=int, required=True, metavar="N", help="producer actors (shares of the source)")
+    p.add_argument(
+        "--producers", type=_integer, required=True, metavar="N", help="producer actors (shares of the source)"
+    )
     p.add_argument("--name", default="fleet", help="producer id prefix: ids are <name>-0 ... <name>-<N-1>")
     p.add_argument("--map", metavar="MODULE:FUNCTION", default=None, help="as for produce")
     p.add_argument("--workers-per-producer", type=_nonneg, default=0, metavar="K",
@@ -269,9 +281,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--on-error", choices=["fail", "skip"], default="fail", help="--map: as for produce")
     p.add_argument("--key-column", metavar="COL", default=None, help="as for produce")
     p.add_argument("--split", metavar="NAME", default=None, help="as for produce")
-    p.add_argument("--epochs", type=int, default=1, metavar="E", help="as for produce")
-    p.add_argument("--shuffle-seed", type=int, default=None, metavar="S", help="as for produce")
-    p.add_argument("--max-restarts", type=int, default=-1, metavar="R",
+    p.add_argument("--epochs", type=_integer, default=1, metavar="E", help="as for produce")
+    p.add_argument("--shuffle-seed", type=_integer, default=None, metavar="S", help="as for produce")
+    p.add_argument("--max-restarts", type=_integer, default=-1, metavar="R",
                    help="restarts allowed per actor (-1: no limit)")  # fmt: skip
     p.add_argument("--ray-address", default=None, metavar="ADDRESS",
                    help="a running Ray cluster (default: RAY_ADDRESS, else a local cluster for this run)")  # fmt: skip
@@ -331,7 +343,8 @@ def _parser() -> argparse.ArgumentParser:
     ))  # fmt: skip
     p.add_argument("url", help=url_help)
     p.add_argument("--weights", type=_weights, required=True, metavar="NAME=W,...",
-                   help="source weights, such as web=0.6,code=0.3,math=0.1 (any positive scale)")  # fmt: skip
+                   help="source weights, such as web=0.6,code=0.3,math=0.1 (any scale, a finite total; a name is 1 to "
+                        "64 letters, digits and '_')")  # fmt: skip
     p.add_argument("--from-step", type=_nonneg, default=None, metavar="S",
                    help="the first step under these weights (default: the step after the head)")  # fmt: skip
 
@@ -343,11 +356,12 @@ def _parser() -> argparse.ArgumentParser:
         "differ by at most one. Restart the trainer with W2 ranks from the checkpoint whose next step is S."
     ))  # fmt: skip
     p.add_argument("url", help=url_help)
-    p.add_argument("--world-size", type=int, required=True, metavar="W2", help="the new number of ranks")
-    p.add_argument("--global-batch", type=int, default=None, metavar="B2",
-                   help="the new global batch (default: unchanged); from S at most the step after the head: the "
-                        "steps from S on are discarded and re-produced, every producer is fenced (as by a rewind) "
-                        "and resumes from its cursor as of step S - 1")  # fmt: skip
+    p.add_argument("--world-size", type=_integer, required=True, metavar="W2", help="the new number of ranks")
+    p.add_argument("--global-batch", type=_integer, default=None, metavar="B2",
+                   help="the global batch from S on (default: the one in force at S, refused if a later reshape set "
+                        "another); where it changes a step's batch, from at most the step after the head: the steps "
+                        "from the first such step C on are discarded and re-produced, every producer is fenced (as "
+                        "by a rewind) and resumes from its cursor as of step C - 1")  # fmt: skip
     p.add_argument("--from-step", type=_nonneg, default=None, metavar="S",
                    help="the first step read as W2 ranks (default: the step after the head)")  # fmt: skip
 
@@ -374,9 +388,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("url", help=url_help)
     p.add_argument("mountpoint", help="an empty directory")
     p.add_argument("--ranks", default="all", help="all, R, A-B or R,R,... (default all)")
-    p.add_argument("--world-size", type=int, default=None, help="fail unless the stream has this world size")
-    p.add_argument("--prefetch", type=int, default=2, help="committed steps to fetch ahead per rank")
-    p.add_argument("--cache-size", type=int, default=1 << 30, help="slice cache bytes")
+    p.add_argument("--world-size", type=_integer, default=None, help="fail unless the stream has this world size")
+    p.add_argument("--prefetch", type=_integer, default=2, help="committed steps to fetch ahead per rank")
+    p.add_argument("--cache-size", type=_integer, default=1 << 30, help="slice cache bytes")
     p.add_argument("--wait", type=float, default=60.0, help="seconds a lookup waits for a step to commit")
     p.add_argument(
         "--nonempty", action="store_true", help="mount over a directory that is not empty (hiding its files)"
@@ -416,11 +430,11 @@ def _parser() -> argparse.ArgumentParser:
         "was read exactly once."
     ))  # fmt: skip
     p.add_argument("--dir", help="stream directory (default: a temporary one, removed afterwards)")
-    p.add_argument("--producers", type=int, default=4, help="producer coroutines")
-    p.add_argument("--world-size", type=int, default=4, help="ranks")
-    p.add_argument("--global-batch", type=int, default=64, help="samples per step")
-    p.add_argument("--samples", type=int, default=4000, help="samples per producer")
-    p.add_argument("--sample-size", type=int, default=32 << 10, help="bytes per sample")
+    p.add_argument("--producers", type=_integer, default=4, help="producer coroutines")
+    p.add_argument("--world-size", type=_integer, default=4, help="ranks")
+    p.add_argument("--global-batch", type=_integer, default=64, help="samples per step")
+    p.add_argument("--samples", type=_integer, default=4000, help="samples per producer")
+    p.add_argument("--sample-size", type=_integer, default=32 << 10, help="bytes per sample")
     for choice in sub._choices_actions:  # every command's --help starts with what it does
         command = sub.choices[choice.dest]
         if command.description is None and choice.help:
@@ -493,9 +507,16 @@ def _named_sources(specs: list[str]) -> dict[str, str]:
     return named
 
 
-def _open_named(a: argparse.Namespace, spec: str) -> Any:
-    """A named source with the options that apply to its kind (--key-column: parquet:/hf:, --split: hf:)."""
+def _open_named(a: argparse.Namespace, name: str, spec: str) -> Any:
+    """A named source with the options that apply to its kind (--key-column: parquet:/hf:, --split: hf:).
+    --shard, --epochs and --shuffle-seed apply to every named source: a dir: source, which has no
+    shards, is refused with them (each producer would read all of it)."""
     if spec.startswith("dir:"):
+        if a.shard != (0, 1) or a.epochs != 1 or a.shuffle_seed is not None:
+            raise ValueError(
+                f"--source {name}={spec}: --shard, --epochs and --shuffle-seed apply to wds:, parquet: and hf: "
+                "sources, not dir: (every producer would read the whole directory)"
+            )
         return open_source(spec)
     key_column = a.key_column if spec.startswith(("parquet:", "hf:")) else None
     split = a.split if spec.startswith("hf:") else None
@@ -549,7 +570,7 @@ async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Produc
     source: Any
     order = {"epochs": a.epochs, "shuffle_seed": a.shuffle_seed}
     if named:
-        source = {n: _open_named(a, s) for n, s in named.items()}
+        source = {n: _open_named(a, n, s) for n, s in named.items()}
     elif a.source is not None:
         source = open_source(a.source, shard=a.shard, key_column=a.key_column, split=a.split, **order)
     elif a.from_dir is not None:
@@ -697,6 +718,8 @@ def _weights(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for part in text.split(","):
         name, eq, w = part.strip().partition("=")
+        if name in out:
+            raise argparse.ArgumentTypeError(f"source {name!r} is given twice")
         try:
             out[name] = float(w)
         except ValueError:

@@ -30,9 +30,12 @@ from ._records import (
     ReshapeRecord,
     RewindRecord,
     TgbRef,
+    check_source_name,
     check_weights,
 )
 from ._state import ProducerState, State
+
+MAX_STEP = 1 << 63  # steps are 64-bit signed integers in records and snapshots
 
 __all__ = [
     "PendingTgb",
@@ -186,12 +189,19 @@ def reshape(
     """From `from_step` (None: the step after the head) read steps as `world_size` ranks of at most
     `global_batch` samples (None: the global batch in force there).
 
-    None when that shape is already the newest one recorded from that step. A new global batch
-    applies from the step after the head at the latest, and discards the steps from `from_step` on
-    (every producer is fenced, as by a rewind). Raises StepUnavailable for a reclaimed step,
-    ValueError for a shape the stream cannot have or a global batch set for a future step.
+    The record replaces every shape from `from_step` on, so it changes the global batch of each
+    later step whose batch differs from `global_batch`. The first step whose batch it changes must
+    be at most the step after the head; the steps from it on are discarded and every producer is
+    fenced, as by a rewind (`State.first_batch_change`). A world size alone (`global_batch` None)
+    keeps every step's batch: it is refused where a later reshape set another one.
+
+    None when that shape is already the newest one recorded from that step. Raises
+    StepUnavailable for a reclaimed step, ValueError for a shape the stream cannot have, a global
+    batch set for a future step or a world size alone that would change a later step's batch.
     """
     start = state.head + 1 if from_step is None else from_step
+    if type(start) is not int or start >= MAX_STEP:
+        raise ValueError(f"{url}: step {start!r} is out of range (below 2^63)")
     batch = state.batch_at(start) if global_batch is None else global_batch
     (lo, hi), (_, top) = LIMITS["world_size"], LIMITS["global_batch"]
     if type(world_size) is not int or not lo <= world_size <= hi:
@@ -200,10 +210,17 @@ def reshape(
         raise ValueError(f"{url}: global batch {batch!r} must be from the world size ({world_size}) to {top}")
     if start < state.first_step:
         raise StepUnavailable(f"{url}: cannot reshape from step {start}: steps below {state.first_step} were reclaimed")
-    if batch != state.batch_at(start) and start > state.head + 1:
+    change = state.first_batch_change(start, batch)
+    if change is not None and global_batch is None:
+        raise ValueError(
+            f"{url}: the global batch is {state.batch_at(change)} from step {change}: a new world size from step "
+            f"{start} with the global batch {batch} would change it; reshape from step {change} or later, or give "
+            f"the global batch (which discards the steps from step {change} on)"
+        )
+    if change is not None and change > state.head + 1:
         raise ValueError(
             f"{url}: a new global batch applies from the step after the head ({state.head + 1}) at the latest, "
-            f"not from step {start}"
+            f"not from step {change}"
         )
     if state.shapes and state.shapes[-1] == (start, world_size, batch):
         return None
@@ -215,10 +232,13 @@ def mix(
 ) -> MixRecord | None:
     """From `from_step` (None: the step after the head; never a committed step) every TGB holds
     each source's share of the global batch by `weights`. None when that mix is already the newest
-    one recorded from that step. Raises ValueError for bad weights or a committed step."""
+    one recorded from that step. Raises ValueError for bad weights or source names
+    (`check_source_name`) or a committed step."""
     start = state.head + 1 if from_step is None else from_step
+    for w in weights:  # a name given now follows the rule for new names (older records may hold others)
+        check_source_name(w[0] if isinstance(w, list | tuple) and w else None)
     checked = check_weights([list(w) for w in weights])
-    if type(start) is not int or start <= state.head:
+    if type(start) is not int or start <= state.head or start >= MAX_STEP:
         raise ValueError(f"{url}: a mix applies from a step not committed yet (after {state.head}), not {start!r}")
     if state.mixes and (state.mixes[-1].from_step, state.mixes[-1].weights) == (start, checked):
         return None

@@ -34,6 +34,7 @@ __all__ = [
     "parse_segment_key",
     "rank_dir",
     "segment_key",
+    "segment_prefix",
     "snapshot_key",
     "step_dir",
     "version_of",
@@ -69,10 +70,16 @@ def version_of(key: str) -> int | None:
     return int(stem) if stem.isdigit() and len(stem) == 20 else None
 
 
+def segment_prefix(producer: str, epoch: int, seq: int) -> str:
+    """`segments/<producer>/<epoch>-<seq>-`: how every key of that TGB starts. Producer ids have no
+    `/` and the numbers are decimal, so no two (producer, epoch, seq) share a key."""
+    return f"{SEGMENTS_PREFIX}{producer}/{epoch}-{seq}-"
+
+
 def segment_key(producer: str, epoch: int, seq: int, now: float) -> str:
     """`segments/<producer>/<epoch>-<seq>-<t><rand>.tgb`: `t` is the upload time in ms (12 hex
     digits), so that GC can tell an old orphan from an upload whose commit is still on its way."""
-    return f"{SEGMENTS_PREFIX}{producer}/{epoch}-{seq}-{int(now * 1000):012x}{uuid.uuid4().hex[:20]}.tgb"
+    return f"{segment_prefix(producer, epoch, seq)}{int(now * 1000):012x}{uuid.uuid4().hex[:20]}.tgb"
 
 
 def parse_segment_key(key: str) -> tuple[str, int, int, float] | None:

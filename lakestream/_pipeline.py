@@ -24,7 +24,7 @@ from ._batching import mix_counts
 from ._errors import ConfigMismatch, MixChanged
 from ._layout import KEY_FIELD, SOURCE_FIELD
 from ._producer import Producer, ProducerStats
-from ._records import check_weights
+from ._records import check_source_name
 from ._sources import synthetic_source
 from ._transform import MapFunction, MapStats, source_cursor, transform
 from .sources import Source, WdsSource, open_source
@@ -117,7 +117,7 @@ async def produce(
         if not named:
             raise ValueError("no sources")
         for name in named:
-            check_weights([[name, 1.0]])  # a source name is what a mix record can name
+            check_source_name(name)  # so that the keys `<name>-<key>` of two sources never collide
         if drop_last:
             raise ValueError("--drop-last applies to a single source")
         sources = {n: open_source(s, **order) if isinstance(s, str) else s for n, s in named.items()}

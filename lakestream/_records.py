@@ -33,6 +33,7 @@ __all__ = [
     "ReshapeRecord",
     "RewindRecord",
     "TgbRef",
+    "check_source_name",
     "decode_record",
     "encode_record",
 ]
@@ -158,8 +159,18 @@ class RewindRecord:
         return {"to_step": self.to_step, "ts": self.ts}
 
 
-SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+SOURCE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")  # what a mix record may hold (older names too)
+NEW_SOURCE_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")  # what `mix` and `produce` accept
 MAX_SOURCES = 256
+
+
+def check_source_name(name: Any) -> str:
+    """`name` if it is a source name a user may give (`mix`, `produce`): 1 to 64 ASCII letters,
+    digits and '_', else ValueError. No '-', so that a sample key `<name>-<key>` under a mixture
+    has one source and one key; no '.', which no key has."""
+    if not isinstance(name, str) or not NEW_SOURCE_NAME.fullmatch(name):
+        raise ValueError(f"source name {name!r:.80}: a source name is 1 to 64 letters, digits and '_' (no '-' or '.')")
+    return name
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,19 +189,23 @@ class MixRecord:
 
 def check_weights(weights: Any) -> tuple[tuple[str, float], ...]:
     """`[[name, weight], ...]` as a tuple, or ValueError: 1 to 256 distinct source names, weights
-    finite and >= 0, adding up to more than 0."""
+    finite and >= 0, adding up to a finite number more than 0 (so that each share, weight / total,
+    is a number from 0 to 1)."""
     if not isinstance(weights, list | tuple) or not 0 < len(weights) <= MAX_SOURCES:
         raise ValueError(f"weights must be 1 to {MAX_SOURCES} [name, weight] pairs")
     out = []
     for w in weights:
         if not (isinstance(w, list | tuple) and len(w) == 2 and isinstance(w[0], str) and SOURCE_NAME.match(w[0])):
-            raise ValueError(f"bad source weight {w!r:.100}: a name is [A-Za-z0-9][A-Za-z0-9._-]{{0,63}}")
+            raise ValueError(f"bad source weight {w!r:.100}: a name is [A-Za-z0-9_][A-Za-z0-9_.-]{{0,63}}")
         v = w[1]
         if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
             raise ValueError(f"source {w[0]!r}: weight {v!r:.40} is not a finite number >= 0")
         out.append((w[0], float(v)))
-    if len({n for n, _ in out}) != len(out) or not sum(v for _, v in out) > 0:
-        raise ValueError("source names must be distinct and the weights add up to more than 0")
+    if len({n for n, _ in out}) != len(out):
+        raise ValueError("source names must be distinct")
+    total = sum(v for _, v in out)
+    if not 0 < total < math.inf:
+        raise ValueError(f"the weights add up to {total}, not a finite number more than 0 (any scale: a=1,b=3)")
     return tuple(out)
 
 

@@ -25,6 +25,11 @@ Invariants, kept by `apply` alone:
   the log: every TGB with `seq <= producers[id].seq` is committed, every other one is not.
 * Each TGB carries the producer's source cursor after its last sample, so a restarted producer
   resumes exactly after its last committed sample.
+* A TGB's segment key names its producer, epoch and sequence number (`_layout.segment_prefix`),
+  and a commit is valid only if each of its keys names the record's. Since a producer's `seq` only
+  rises (a rewind or reclaim never lowers it), no segment is ever committed twice: not one a
+  retained step references, nor one a rewind discarded or a reclaim dropped. No set of keys is
+  kept for this; the check is O(1) a TGB.
 * `checkpoint`, `release`, `reclaim` and `rewind` (the lifecycle) only move `first_step`, `head`,
   the checkpoint list and epochs; they never reorder steps.
 """
@@ -40,6 +45,7 @@ import orjson
 
 from ._batching import mix_counts
 from ._config import FORMAT_VERSION, LIMITS, Config
+from ._layout import segment_prefix
 from ._records import (
     PRODUCER_ID,
     CheckpointRecord,
@@ -146,6 +152,13 @@ def _int(v: Any, lo: int = 0) -> bool:
     return type(v) is int and v >= lo
 
 
+def _segment_of(key: str, producer: str, epoch: int, seq: int) -> bool:
+    """Is `key` a segment key of TGB `seq` of `producer` at `epoch` (`_layout.segment_key`)?"""
+    prefix = segment_prefix(producer, epoch, seq)
+    rest = key[len(prefix) :]
+    return key.startswith(prefix) and rest.endswith(".tgb") and "/" not in rest
+
+
 @dataclass(frozen=True, slots=True)
 class Mix:
     """A mixture in force from `from_step`: the weights of the `mix` record at log `version`."""
@@ -202,6 +215,13 @@ class State:
         """The mixture in force at `step`: the newest mix from `step` or before, if any."""
         i = bisect.bisect_right([m.from_step for m in self.mixes], step)
         return self.mixes[i - 1] if i else None
+
+    def first_batch_change(self, from_step: int, batch: int) -> int | None:
+        """The first step from `from_step` on whose global batch a reshape from `from_step` to
+        `batch` would change (it replaces every shape from `from_step` on), or None."""
+        if self.batch_at(from_step) != batch:
+            return from_step
+        return next((step for step, _, b in self.shapes if step > from_step and b != batch), None)
 
     def world_at(self, step: int) -> int:
         """The number of ranks `step` is read as."""
@@ -274,9 +294,10 @@ class State:
             _need(r.from_step > self.head, f"mix: step {r.from_step} is committed (the head is {self.head})")
         elif isinstance(r, ReshapeRecord):
             _need(r.from_step >= self.first_step, f"reshape: step {r.from_step} was reclaimed")
-            if r.global_batch != self.batch_at(r.from_step):
-                _need(r.from_step <= self.head + 1,
-                      f"reshape: a new global batch applies from at most the step after the head ({self.head + 1})")  # fmt: skip
+            change = self.first_batch_change(r.from_step, r.global_batch)
+            _need(change is None or change <= self.head + 1,
+                  f"reshape: it changes the global batch of step {change}; a new global batch applies from at "
+                  f"most the step after the head ({self.head + 1})")  # fmt: skip
 
     def _validate_commit(self, r: CommitRecord, config: Config) -> None:
         pid = r.producer
@@ -286,6 +307,10 @@ class State:
         _need(r.epoch == p.epoch, f"commit {pid}: epoch {r.epoch!r} is fenced by {p.epoch}")
         _need(r.seq == p.seq + 1, f"commit {pid}: seq {r.seq!r} is not the next ({p.seq + 1})")
         for i, t in enumerate(r.tgbs):
+            # Each TGB's own key: never one committed before (its seq would be committed already).
+            _need(_segment_of(t.segment, pid, r.epoch, r.seq + i),
+                  f"commit {pid}: segment {t.segment!r:.200} is not a key of its TGB "
+                  f"({segment_prefix(pid, r.epoch, r.seq + i)}….tgb)")  # fmt: skip
             # A TGB holds the rank slices of the world size it was sealed for; a step read as
             # another world size is re-sliced on read (`_batching.reslice`).
             _need(len(t.ranks) <= LIMITS["world_size"][1], f"commit {pid}: {len(t.ranks)} rank slices")
@@ -368,10 +393,10 @@ class State:
         elif isinstance(r, MixRecord):
             self.mixes = [m for m in self.mixes if m.from_step < r.from_step] + [Mix(r.from_step, version, r.weights)]
         elif isinstance(r, ReshapeRecord):
-            new_batch = r.global_batch != self.batch_at(r.from_step)
+            change = self.first_batch_change(r.from_step, r.global_batch)
             self.shapes = [x for x in self.shapes if x[0] < r.from_step] + [(r.from_step, r.world_size, r.global_batch)]
-            if new_batch:
-                self._discard_after(r.from_step - 1)
+            if change is not None:  # no step keeps a batch other than the one it was sealed for
+                self._discard_after(change - 1)
 
     def _discard_after(self, to_step: int) -> None:
         """Discard the steps after `to_step` and fence every producer (a rewind)."""
@@ -576,6 +601,8 @@ def _state_from_dict(d: dict[str, Any]) -> State:
         low = last_seq.get(pid, -1)
         if not (_int(seq) and low < seq <= owner.seq):
             raise _bad(f"step {n}: seq {seq!r:.40} is not in {low + 1}..{owner.seq} of producer {pid}")
+        if not _segment_of(segment, pid, epoch, seq):
+            raise _bad(f"step {n}: segment {segment!r:.200} is not a key of producer {pid} epoch {epoch} seq {seq}")
         if type(ts) is not float:
             raise _bad(f"step {n}: ts {ts!r:.40} is not a number")
         if not (isinstance(ranks, list) and 0 < len(ranks) <= world):

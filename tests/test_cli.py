@@ -534,6 +534,34 @@ def test_negative_steps_and_ranks_are_usage_errors(produced: tuple[str, dict[str
     assert "Traceback" not in r.stderr
 
 
+OUT_OF_RANGE = [
+    ("reshape", "--world-size", 2, "--from-step", 2**63),
+    ("reshape", "--world-size", 2, "--from-step", 2**64),
+    ("reshape", "--world-size", 2**64),
+    ("mix", "--weights", "a=1", "--from-step", 2**63),
+    ("read", "--rank", 0, "--from-step", 2**64),
+    ("read", "--rank", 2**63),
+    ("rewind", "--to-step", 2**64),
+    ("checkpoint", "--id", "c", "--step", 2**63),
+]
+
+
+def test_integers_out_of_range_are_usage_errors(produced: tuple[str, dict[str, bytes]]) -> None:
+    """An integer a log record cannot hold (64 bits, signed) is refused by the parser, in one line;
+    through the API a step out of range is a ValueError."""
+    url, _ = produced
+    before = status(url)
+    for args in OUT_OF_RANGE:
+        r = run_cli(args[0], url, *args[1:], check=False)
+        assert r.returncode == 2 and "out of range" in r.stderr and "Traceback" not in r.stderr, describe(r)
+        assert r.stderr.splitlines()[-1].startswith(f"lakestream {args[0]}: error: argument"), describe(r)
+    assert status(url) == before
+    with pytest.raises(ValueError, match="out of range"):
+        anyio.run(lambda: lakestream.reshape(url, 2, from_step=2**64))
+    with pytest.raises(ValueError, match=r"not committed yet .* not 9223372036854775808"):
+        anyio.run(lambda: lakestream.mix(url, {"a": 1.0}, from_step=2**63))
+
+
 # -- the first hour: help, Ctrl-C, reports, typed fields, the last batch (issue 8, items 14 to 18) ---
 
 

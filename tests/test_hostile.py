@@ -52,13 +52,15 @@ def plant(root: Path, record: Record) -> int:
 def commit_of(
     root: Path,
     slices: list[bytes],
-    segment: str = "segments/a/9-9-hostile.tgb",
     *,
     lengths: dict[int, int] | None = None,
 ) -> CommitRecord:
-    """A commit record for producer a's next seq holding one TGB made of `slices` (one per rank);
-    `lengths` overrides what the record claims for some ranks' lengths."""
+    """A commit record for producer a's next seq holding one TGB made of `slices` (one per rank), in
+    segment `segments/a/<epoch>-<seq>-hostile.tgb`; `lengths` overrides what the record claims for
+    some ranks' lengths."""
     state = json.loads(run_cli("status", f"file://{root}", "--json", check=True).stdout)
+    a = state["producers"]["a"]
+    segment = f"segments/a/{a['epoch']}-{a['seq'] + 1}-hostile.tgb"
     path = root / segment
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"".join(slices))
@@ -66,7 +68,6 @@ def commit_of(
     for rank, data in enumerate(slices):
         ranks.append((offset, (lengths or {}).get(rank, len(data)), zlib.crc32(data), 1))
         offset += len(data)
-    a = state["producers"]["a"]
     return CommitRecord("a", a["epoch"], a["seq"] + 1, (TgbRef(segment, tuple(ranks), 999),))
 
 
@@ -85,7 +86,7 @@ async def test_hostile_names_in_a_segment_are_refused_everywhere(tmp_path: Path,
     head = (await lakestream.load_state(url)).head
 
     async with lakestream.open_reader(url, 0, raw=True) as r:
-        with pytest.raises(CorruptData, match=rf"step {head} rank 0 object segments/a/9-9-hostile.tgb"):
+        with pytest.raises(CorruptData, match=rf"step {head} rank 0 object segments/a/\d+-\d+-hostile.tgb"):
             await r.read_step(head)
     out = tmp_path / "deep" / "er" / "out"
     res = run_cli("read", url, "--rank", 0, "--out", out)
@@ -199,19 +200,36 @@ async def test_a_cursor_with_nan_is_refused_not_rewritten_to_null(cursor: Any) -
 # -- 7. verify sees crafted records ----------------------------------------------------------------
 
 
-async def test_verify_reports_a_commit_that_reuses_another_steps_segment(tmp_path: Path) -> None:
+async def test_a_commit_that_reuses_another_steps_segment_is_a_noop_before_and_after_gc(tmp_path: Path) -> None:
+    """A commit record naming step 0's segment (as the producer's next seq, current epoch) is a
+    no-op: `read` never serves step 0's samples at a later step, `verify` reports the record. Once
+    GC reclaimed step 0 the segment is still spent."""
     root = tmp_path / "s"
-    url = await make_stream(root)
+    url = await make_stream(root, steps=3)
     state = await lakestream.load_state(url)
     old = state.step(0)
     assert old is not None
-    a = state.producers["a"]
     ranks = tuple((r.offset, r.length, r.crc32, r.samples) for r in old.ranks)
-    plant(root, CommitRecord("a", a.epoch, a.seq + 1, (TgbRef(old.segment, ranks, 1),)))
-    report = await lakestream.verify(url)
-    assert any(f"the segment of step {old.step} again" in p for p in report.problems), report.problems
+
+    async def reuse() -> int:
+        a = (await lakestream.load_state(url)).producers["a"]
+        return plant(root, CommitRecord("a", a.epoch, a.seq + 1, (TgbRef(old.segment, ranks, 1),)))
+
+    version = await reuse()
+    after = await lakestream.load_state(url)
+    assert after.head == state.head and after.rejected[-1][0] == version
+    r = run_cli("read", url, "--rank", 0, "--json", check=True)
+    keys = [k for line in r.stdout.splitlines() for k in json.loads(line).get("keys", [])]
+    assert len(keys) == len(set(keys)) == 3 * B // W, describe(r)
     r = run_cli("verify", url, check=False)
-    assert "FAILED" in r.stdout, describe(r)
+    assert "FAILED" in r.stdout and f"log version {version} " in r.stdout and "not a key of its TGB" in r.stdout
+
+    assert await lakestream.checkpoint(url, "c", 1)
+    await lakestream.gc(url)
+    assert (await lakestream.load_state(url)).first_step == 1
+    version = await reuse()
+    after = await lakestream.load_state(url)
+    assert after.head == state.head and after.rejected[-1][0] == version
 
 
 async def test_verify_reports_sample_keys_produced_twice(tmp_path: Path) -> None:

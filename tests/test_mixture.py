@@ -4,6 +4,8 @@ drawing from three named sources under a schedule of mixes, SIGKILLed and starte
 from __future__ import annotations
 
 import json
+import math
+import random
 import signal
 from collections import Counter
 from pathlib import Path
@@ -65,7 +67,7 @@ def state_with_producer() -> State:
 
 def tgb(seq: int, mix: int | None, sources: dict[str, int] | None) -> CommitRecord:
     n = sum(sources.values()) if sources else 10
-    ref = TgbRef(f"segments/p/{seq}", ((0, 5, 0, n - n // 2), (5, 5, 0, n // 2)), seq + 1, mix, None)
+    ref = TgbRef(f"segments/p/1-{seq}-x.tgb", ((0, 5, 0, n - n // 2), (5, 5, 0, n // 2)), seq + 1, mix, None)
     if sources is not None:
         ref = TgbRef(ref.segment, ref.ranks, ref.cursor, mix, tuple(sources.items()))
     return CommitRecord("p", 1, seq, (ref,))
@@ -100,8 +102,9 @@ def test_commits_under_a_mix_must_hold_its_shares_and_name_its_version() -> None
 
 @pytest.mark.parametrize(
     "weights",
-    [[], [["a", -1]], [["a", 0]], [["a", 1], ["a", 2]], [["a/b", 1]], [["a", "1"]], [["a", float("inf")]]],
-)
+    [[], [["a", -1]], [["a", 0]], [["a", 1], ["a", 2]], [["a/b", 1]], [["a", "1"]], [["a", float("inf")]],
+     [["a", 1e308], ["b", 1e308]], [["a", 1.5e308], ["b", 1e308], ["c", 0]]],
+)  # fmt: skip
 def test_bad_weights_are_refused(weights: list[Any]) -> None:
     s = state_with_producer()
     data = json.dumps({"kind": "mix", "from_step": 0, "weights": weights}).encode().replace(b"Infinity", b"1e999")
@@ -110,12 +113,39 @@ def test_bad_weights_are_refused(weights: list[Any]) -> None:
         decisions.mix(s, weights, now=0.0)
 
 
+@given(st.lists(st.just(0.0) | st.floats(0, 1.7e308), min_size=1, max_size=8))
+def test_weights_a_mix_accepts_give_shares_of_the_whole_batch(ws: list[float]) -> None:
+    """Any weights a mix record may hold (finite, >= 0, a finite positive total) give counts from
+    0 to the batch that add up to it; any others are refused, by the decision and the state alike."""
+    s = state_with_producer()
+    weights = [(f"s{i}", w) for i, w in enumerate(ws)]
+    ok = 0 < sum(ws) < math.inf
+    assert (s.copy().apply(2, encode_record(MixRecord(0, tuple(weights)))) is None) == ok
+    if not ok:
+        with pytest.raises(ValueError, match="add up to"):
+            decisions.mix(s, weights, now=0.0)
+        return
+    record = decisions.mix(s, weights, now=0.0)
+    assert record is not None and s.apply(2, encode_record(record)) is None
+    counts = mix_counts(record.weights, 10)
+    assert sum(counts.values()) == 10 and all(0 <= c <= 10 for c in counts.values())
+
+
+@pytest.mark.parametrize("name", ["a.b", "a-b", "", "_" * 65, "é", "a b"])
+def test_a_source_name_is_letters_digits_and_underscores(name: str) -> None:
+    """So that `<name>-<key>` names one source and one key: no '-', and no '.' (no key has one)."""
+    s = state_with_producer()
+    with pytest.raises(ValueError, match="letters, digits and '_'"):
+        decisions.mix(s, [(name, 1.0), ("web", 1.0)], now=0.0)
+    assert decisions.mix(s, [("Web_2", 1.0), ("_" * 64, 1.0)], now=0.0) is not None
+
+
 def test_a_tgb_sealed_under_other_weights_is_never_committed() -> None:
     s = state_with_producer()
     assert s.apply(2, encode_record(MixRecord(0, (("a", 1.0), ("b", 1.0))))) is None
 
     class Pending:
-        seq, ref = 0, TgbRef("segments/p/0", ((0, 5, 0, 5), (5, 5, 0, 5)), 1, None, None)
+        seq, ref = 0, TgbRef("segments/p/1-0-x.tgb", ((0, 5, 0, 5), (5, 5, 0, 5)), 1, None, None)
 
     with pytest.raises(lakestream.MixChanged, match="start again"):
         decisions.commit(s, "p", 1, [Pending()], 0, 0.0)  # type: ignore[list-item]
@@ -286,4 +316,67 @@ def test_two_producers_each_a_shard_of_three_sources_under_a_schedule_one_killed
             order = [f"{name}-{s['__key__']}" for s, _ in open_source(spec, shard=(shard, 2)).iterate()]
             mine = [k for k in by_producer[pid] if k.startswith(name + "-")]
             assert sorted(mine) == sorted(order[: len(mine)]), (pid, name)
+    assert run_cli("verify", url).returncode == 0
+
+
+# -- what the command refuses ----------------------------------------------------------------------
+
+
+def test_mix_refuses_weights_whose_total_overflows_in_one_line(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/s"
+    run_cli("init", url, "--world-size", 2, "--global-batch", 10, check=True)
+    r = run_cli("mix", url, "--weights", "a=1e308,b=1e308", check=False)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "add up to inf" in r.stderr, describe(r)
+    r = run_cli("mix", url, "--weights", "a=1,a=2", check=False)
+    assert r.returncode == 2 and "'a' is given twice" in r.stderr, describe(r)
+    assert anyio.run(lakestream.load_state, url).mixes == []
+    run_cli("mix", url, "--weights", "a=8e307,b=8e307", check=True)  # large, with a finite total
+    status = json.loads(run_cli("status", url, "--json", check=True).stdout)
+    assert status["mixes"][0]["shares"] == {"a": 5, "b": 5}
+
+
+def test_source_names_that_could_make_one_key_of_two_sources_are_refused(tmp_path: Path) -> None:
+    """Sources `a` (file `b-x.parquet`) and `a-b` (file `x.parquet`) would both key their first row
+    `a-b-x-…`: '-' (and '.', which no key has) is refused where a name is given, `mix` and `produce`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    url = f"file://{tmp_path}/s"
+    run_cli("init", url, "--world-size", 1, "--global-batch", 2, check=True)
+    for d, f in (("a", "b-x"), ("ab", "x")):
+        (tmp_path / d).mkdir()
+        pq.write_table(pa.table({"v": [d]}), tmp_path / d / f"{f}.parquet")
+    for weights in ("a=1,a-b=1", "a.b=1"):
+        r = run_cli("mix", url, "--weights", weights, check=False)
+        assert r.returncode == 1 and r.stderr.count("\n") == 1 and "letters, digits and '_'" in r.stderr, describe(r)
+    produce = ["produce", url, "--producer-id", "p", "--source", f"a=parquet:{tmp_path}/a"]
+    for name in ("a-b", "a.b"):
+        r = run_cli(*produce, "--source", f"{name}=parquet:{tmp_path}/ab", check=False)
+        assert r.returncode == 1 and r.stderr.count("\n") == 1 and f"source name {name!r}" in r.stderr, describe(r)
+    assert anyio.run(lakestream.load_state, url).head == -1
+    run_cli(*produce, "--source", f"a_b=parquet:{tmp_path}/ab", check=True)
+    keys = [k for line in run_cli("read", url, "--rank", 0, "--json").stdout.splitlines() for k in line_keys(line)]
+    assert len(keys) == len(set(keys)) == 2
+    assert run_cli("verify", url).returncode == 0
+
+
+def line_keys(line: str) -> list[str]:
+    return list(json.loads(line).get("keys", []))
+
+
+def test_a_named_dir_source_refuses_shard_epochs_and_shuffle(tmp_path: Path) -> None:
+    """A directory has no shards: two producers `--shard 0/2` and `1/2` would each commit all of it."""
+    from cliutil import make_source_dir
+
+    url = f"file://{tmp_path}/s"
+    run_cli("init", url, "--world-size", 2, "--global-batch", 4, check=True)
+    make_source_dir(tmp_path / "d", "k", 8, random.Random(0))
+    make_wds(tmp_path / "w", 2, 4)
+    sources = ["--source", f"d=dir:{tmp_path}/d", "--source", f"w=wds:{tmp_path}/w/train-{{000..001}}.tar"]
+    for i, extra in enumerate([("--shard", "0/2"), ("--shard", "1/2"), ("--epochs", 2), ("--shuffle-seed", 1)]):
+        r = run_cli("produce", url, "--producer-id", f"p{i}", *sources, *extra, check=False)
+        assert r.returncode == 1 and r.stderr.count("\n") == 1, describe(r)
+        assert f"--source d=dir:{tmp_path}/d: --shard, --epochs and --shuffle-seed apply to" in r.stderr, describe(r)
+    assert anyio.run(lakestream.load_state, url).head == -1
+    run_cli("produce", url, "--producer-id", "p", *sources, check=True)  # one producer reads it whole
     assert run_cli("verify", url).returncode == 0

@@ -21,10 +21,13 @@ from lakestream import _decisions as decisions
 from lakestream._batching import assign_ranks, reslice
 from lakestream._config import Config
 from lakestream._records import (
+    CheckpointRecord,
     CommitRecord,
     CreateRecord,
+    ReclaimRecord,
     RegisterRecord,
     ReshapeRecord,
+    RewindRecord,
     TgbRef,
     encode_record,
 )
@@ -152,10 +155,130 @@ def test_a_new_global_batch_discards_the_steps_from_its_step_and_fences_producer
     assert s.head == 3 and s.batch_at(3) == 6 and s.world_at(3) == 3 and s.batch_at(2) == 8
 
 
+@st.composite
+def reshape_histories(draw: st.DrawFn) -> list[tuple[Any, ...]]:
+    """Commits of whole or short TGBs, reshapes (through the decision, or records as any writer may
+    put them) with or without a new global batch, from reclaimed to future steps, and rewinds."""
+    ops: list[tuple[Any, ...]] = []
+    for _ in range(draw(st.integers(1, 30))):
+        op = draw(st.sampled_from(["commit", "commit", "reshape", "record", "rewind", "reclaim"]))
+        if op == "commit":
+            ops.append((op, draw(st.integers(1, 12))))
+        elif op in ("reshape", "record"):
+            world = draw(st.integers(1, 4))
+            batch = draw(st.none() | st.integers(world, 12)) if op == "reshape" else draw(st.integers(world, 12))
+            ops.append((op, draw(st.integers(-2, 4)), world, batch))  # from step: head + that
+        else:
+            ops.append((op, draw(st.integers(0, 3))))  # steps back from the head
+    return ops
+
+
+@given(reshape_histories())
+def test_after_any_reshapes_every_committed_step_keeps_the_batch_it_was_sealed_with(ops: list[tuple[Any, ...]]) -> None:
+    """Whatever reshapes land, the global batch in force at each retained step is the one its TGB
+    was sealed for (so verify holds), a reshape that changes a committed step's batch discards it,
+    and a world size alone never discards a step."""
+    s = fresh_state(2, 8)
+    assert s.apply(1, encode_record(RegisterRecord("a", 1, "t"))) is None
+    sealed: dict[int, int] = {}  # step -> the global batch its TGB was sealed for
+    seq = 0
+
+    def put(record: Any) -> str | None:
+        return s.apply(s.version + 1, encode_record(record))
+
+    for op in ops:
+        if op[0] == "commit":
+            p = s.producers["a"]
+            if not p.token:  # fenced: a new incarnation
+                assert put(RegisterRecord("a", p.epoch + 1, f"t{p.epoch + 1}")) is None
+            batch, world = s.batch_at(s.head + 1), s.world_at(s.head + 1)
+            assert put(commit_record("a", s.producers["a"].epoch, seq, min(op[1], batch), world)) is None
+            sealed[s.head], seq = batch, seq + 1
+        elif op[0] in ("reshape", "record"):
+            start, world, batch = s.head + op[1], op[2], op[3]
+            head, first = s.head, s.first_step
+            if op[0] == "reshape":
+                try:
+                    record = decisions.reshape(s, world, global_batch=batch, from_step=start, now=0.0)
+                except (ValueError, lakestream.StepUnavailable):
+                    continue
+                if record is None:
+                    continue
+                assert put(record) is None
+                if batch is None:
+                    assert s.head == head, "a world size alone discarded steps"
+            elif start < 0 or put(ReshapeRecord(start, world, batch)) is not None:
+                continue
+            assert s.world_at(max(start, first)) == world
+        elif op[0] == "rewind":
+            if s.head - op[1] >= s.first_step - 1:
+                assert put(RewindRecord(s.head - op[1])) is None
+        else:  # reclaim below a checkpoint
+            step = s.head - op[1]
+            if step >= max(s.first_step, s.checkpoints[-1].step if s.checkpoints else 0):
+                assert put(CheckpointRecord(f"c{s.version}", step)) is None
+            if s.watermark > s.first_step:
+                assert put(ReclaimRecord(s.watermark)) is None
+        for step in range(s.first_step, s.head + 1):
+            entry = s.step(step)
+            assert entry is not None and s.batch_at(step) == sealed[step], (step, s.shapes, sealed)
+            assert entry.samples <= s.batch_at(step)
+        assert State.from_json(s.to_json()).to_dict() == s.to_dict()
+
+
+def test_a_world_size_alone_never_undoes_a_later_global_batch() -> None:
+    """Created at W2 B8, B10 from step 5: a world size alone from step 0 would make steps 5.. B8
+    again; it is refused. Given the batch, it is a batch change from step 5: those steps go."""
+    s = fresh_state(2, 8)
+    records = [RegisterRecord("a", 1, "t"), *[commit_record("a", 1, seq, 8, 2) for seq in range(5)]]
+    for version, record in enumerate(records, start=1):
+        assert s.apply(version, encode_record(record)) is None
+    assert s.apply(s.version + 1, encode_record(ReshapeRecord(5, 2, 10))) is None  # discards nothing: head 4
+    assert s.apply(s.version + 1, encode_record(RegisterRecord("a", 3, "u"))) is None
+    for seq in range(5, 8):
+        assert s.apply(s.version + 1, encode_record(commit_record("a", 3, seq, 10, 2))) is None
+    assert s.head == 7 and s.batch_at(7) == 10
+    with pytest.raises(ValueError, match="global batch is 10 from step 5"):
+        decisions.reshape(s, 2, from_step=0, now=0.0)
+    assert decisions.reshape(s, 4, from_step=5, now=0.0) is not None  # from the change on: a world size alone
+    record = decisions.reshape(s, 2, global_batch=8, from_step=0, now=0.0)
+    assert record == ReshapeRecord(0, 2, 8, 0.0)
+    assert s.apply(s.version + 1, encode_record(record)) is None
+    assert s.head == 4 and s.rewinds == 2 and s.producers["a"].epoch == 4 and s.producers["a"].cursor == 5
+    assert all(s.batch_at(step) == 8 for step in range(10))
+    assert s.check_last_record(encode_record(record)) is None
+    # Written by hand where the change would be after the step after the head: a no-op.
+    s2 = fresh_state(2, 8)
+    assert s2.apply(1, encode_record(ReshapeRecord(0, 2, 8))) is None
+    assert s2.apply(2, encode_record(ReshapeRecord(0, 2, 10))) is None
+    assert s2.apply(3, encode_record(ReshapeRecord(3, 2, 8))) is not None  # step 3 is in the future
+
+
+def test_reshape_refuses_a_world_size_alone_that_would_change_a_later_batch(tmp_path: Path) -> None:
+    """`init` W2 B8, produce, `reshape` B10, produce, `reshape --world-size 2 --from-step 0`: refused
+    in one line, the stream still verifies; with --global-batch 8 the B10 steps are re-produced."""
+    url = f"file://{tmp_path}/s"
+    run_cli("init", url, "--world-size", 2, "--global-batch", 8, check=True)
+    produce = ["produce", url, "--producer-id", "a", "--sample-size", 16, "--synthetic"]
+    run_cli(*produce, 40, check=True)  # steps 0..4
+    run_cli("reshape", url, "--world-size", 2, "--global-batch", 10, check=True)
+    run_cli(*produce, 80, check=True)  # steps 5..8 of 10
+    r = run_cli("reshape", url, "--world-size", 2, "--from-step", 0, check=False)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "global batch is 10 from step 5" in r.stderr, describe(r)
+    assert run_cli("verify", url).returncode == 0
+    r = run_cli("reshape", url, "--world-size", 2, "--global-batch", 8, "--from-step", 0, check=True)
+    assert anyio.run(lakestream.load_state, url).head == 4
+    run_cli(*produce, 80, check=True)  # the B10 steps again, as B8
+    steps = keys_by_step(url)
+    assert [len(steps[s]) for s in sorted(steps)] == [8] * 10
+    assert sorted(k for keys in steps.values() for k in keys) == [f"a-{i:09d}" for i in range(80)]
+    assert run_cli("verify", url).returncode == 0
+
+
 def commit_record(pid: str, epoch: int, seq: int, samples: int, world: int) -> CommitRecord:
     counts = [len(r) for r in assign_ranks(None, samples, world)]
     ranks = tuple((10 * i, 10, 0, c) for i, c in enumerate(counts))
-    return CommitRecord(pid, epoch, seq, (TgbRef(f"segments/{pid}/{seq}", ranks, seq + 1),))
+    return CommitRecord(pid, epoch, seq, (TgbRef(f"segments/{pid}/{epoch}-{seq}-x.tgb", ranks, seq + 1),))
 
 
 def test_a_snapshot_with_shapes_out_of_order_is_refused() -> None:

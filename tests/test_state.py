@@ -33,12 +33,12 @@ def register(pid: str, epoch: int, token: str = "t") -> bytes:
     return encode_record(RegisterRecord(pid, epoch, token))
 
 
-def tgb(pid: str, cursor: object = None) -> TgbRef:
-    return TgbRef(f"segments/{pid}/x", ((0, 10, 1, 2), (10, 10, 2, 2)), cursor)
+def tgb(pid: str, epoch: int, seq: int, cursor: object = None) -> TgbRef:
+    return TgbRef(f"segments/{pid}/{epoch}-{seq}-x.tgb", ((0, 10, 1, 2), (10, 10, 2, 2)), cursor)
 
 
 def commit(pid: str, epoch: int, seq: int, n: int = 1, cursor: object = None, lost: int = 0) -> bytes:
-    return encode_record(CommitRecord(pid, epoch, seq, (tgb(pid, cursor),) * n, lost))
+    return encode_record(CommitRecord(pid, epoch, seq, tuple(tgb(pid, epoch, seq + i, cursor) for i in range(n)), lost))
 
 
 def replay(records: list[bytes]) -> State:
@@ -72,6 +72,49 @@ def test_stale_epoch_and_wrong_seq_are_noops() -> None:
     assert s.apply(7, commit("a", 2, 1)) is None
     assert [x.seq for x in s.steps] == [0, 1]
     assert [v for v, _ in s.rejected] == [4, 5, 6]
+
+
+def test_a_commit_of_a_segment_committed_before_or_named_for_another_tgb_is_a_noop() -> None:
+    """A segment key names its producer, epoch and seq; a commit must name its own TGBs' keys, so
+    a segment already committed (retained, reclaimed or discarded) is never a step again."""
+    s = replay([create(), register("a", 1), commit("a", 1, 0, 3), register("b", 1)])
+    step0 = s.steps[0].segment
+    ranks = ((0, 10, 1, 2), (10, 10, 2, 2))
+
+    def one(pid: str, epoch: int, seq: int, segment: str) -> CommitRecord:
+        return CommitRecord(pid, epoch, seq, (TgbRef(segment, ranks, None),))
+
+    for bad in (
+        one("a", 1, 3, step0),  # step 0's segment again, as the next seq
+        one("b", 1, 0, step0),  # another producer's committed segment
+        one("a", 1, 3, "segments/a/1-4-x.tgb"),  # another seq's key
+        one("a", 1, 3, "segments/a/2-3-x.tgb"),  # another epoch's key
+        one("a", 1, 3, "segments/b/1-3-x.tgb"),  # another producer's key
+        one("a", 1, 3, "segments/a/1-3-x/y.tgb"),  # deeper than a producer's directory
+        one("a", 1, 3, "segments/a/1-3-x.bin"),
+        one("a", 1, 3, "segments/a/1-33-x.tgb"),
+        CommitRecord("a", 1, 3, (TgbRef("segments/a/1-3-x.tgb", ranks), TgbRef("segments/a/1-3-y.tgb", ranks))),
+    ):
+        why = s.check(bad)
+        assert why is not None and "is not a key of its TGB" in why, bad
+        assert s.apply(s.version + 1, encode_record(bad)) == why and s.head == 2
+    assert s.apply(s.version + 1, encode_record(one("a", 1, 3, "segments/a/1-3-0a1b.tgb"))) is None
+    assert [x.segment for x in s.steps][-1] == "segments/a/1-3-0a1b.tgb"
+
+    # Reclaimed or discarded, a segment stays spent: its seq is committed for good.
+    assert s.apply(s.version + 1, encode_record(CheckpointRecord("c", 2))) is None
+    assert s.apply(s.version + 1, encode_record(ReclaimRecord(2))) is None
+    assert s.apply(s.version + 1, encode_record(RewindRecord(2))) is None  # discards step 3, fences a
+    assert s.apply(s.version + 1, encode_record(RegisterRecord("a", 3, "u"))) is None
+    for gone in (step0, "segments/a/1-3-0a1b.tgb"):
+        assert s.check(one("a", 3, 4, gone)) is not None
+    assert s.check(one("a", 3, 4, "segments/a/3-4-x.tgb")) is None
+
+    d = orjson.loads(s.to_json())
+    del d["sha256"]
+    d["steps"][0][2] = "segments/a/1-9-x.tgb"  # a snapshot's step with another TGB's key
+    with pytest.raises(ValueError, match="is not a key of producer a epoch 1 seq 2"):
+        State.from_json(orjson.dumps(d))
 
 
 @pytest.mark.parametrize(
@@ -202,6 +245,7 @@ class ManifestMachine(RuleBasedStateMachine):
         self.seqs: dict[str, int] = {}
         self.ckpts: list[tuple[str, int]] = []
         self.n = 0
+        self.spent: list[str] = []  # every segment ever committed
 
     def put(self, rec: Record) -> str | None:
         return self.state.apply(self.state.version + 1, encode_record(rec))
@@ -225,6 +269,19 @@ class ManifestMachine(RuleBasedStateMachine):
         assert why is None
         self.model_steps += [(p, seq + i) for i in range(n)]
         self.seqs[p] = seq + n - 1
+        self.spent += [x.segment for x in self.state.steps[-n:]]
+
+    @precondition(lambda self: self.spent)
+    @rule(p=producers, data=st.data())
+    def commit_a_spent_segment(self, p: str, data: st.DataObject) -> None:
+        """Whether its step is retained, reclaimed or discarded, a segment is never committed again."""
+        if p not in self.epochs:
+            return
+        segment = data.draw(st.sampled_from(self.spent))
+        ref = TgbRef(segment, ((0, 10, 1, 2), (10, 10, 2, 2)))
+        before = self.state.to_dict()["steps"]
+        assert self.put(CommitRecord(p, self.epochs[p], self.seqs.get(p, -1) + 1, (ref,))) is not None
+        assert self.state.to_dict()["steps"] == before
 
     @precondition(lambda self: self.model_steps)
     @rule(data=st.data())
@@ -271,6 +328,7 @@ class ManifestMachine(RuleBasedStateMachine):
         assert [(c.id, c.step) for c in s.checkpoints] == self.ckpts
         assert s.watermark == (self.ckpts[0][1] if self.ckpts else -1)
         assert {p: x.epoch for p, x in s.producers.items()} == self.epochs
+        assert all(x.segment.startswith(f"segments/{x.producer}/{x.epoch}-{x.seq}-") for x in s.steps)
         assert State.from_json(s.to_json()).to_json() == s.to_json()
 
 
