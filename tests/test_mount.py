@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import random
 import re
+import select
 import signal
 import struct
 import subprocess
@@ -439,6 +440,135 @@ def test_ls_of_a_step_that_never_comes_waits_once(tmp_path: Path, mounts, ls: li
     assert r.returncode != 0 and "No such file or directory" in r.stderr and not r.stdout, r
     assert wait - 0.2 < took < 1.5 * wait, f"{' '.join(ls)} of an uncommitted step took {took:.2f} s with --wait {wait}"
     assert sorted(os.listdir(m.mountpoint / "rank-0")) == [step_name(0), "latest"]  # no trace of step 5
+
+
+# Python callers of a step that is not committed yet; `ready` once the signal handler is set.
+STAT_CALLER = """
+import os, signal, sys
+if sys.argv[2] == "handler":
+    signal.signal(signal.SIGUSR1, lambda *_: print("signal", flush=True))
+print("ready", flush=True)
+try:
+    print("stat", oct(os.stat(sys.argv[1]).st_mode), flush=True)
+except OSError as e:
+    print("error", type(e).__name__, e.errno, flush=True)
+"""
+
+OPEN_CALLER = """
+import json, signal, sys
+if sys.argv[2] == "handler":
+    signal.signal(signal.SIGUSR1, lambda *_: print("signal", flush=True))
+print("ready", flush=True)
+with open(sys.argv[1], "rb") as f:
+    print("step", json.loads(f.read())["step"], flush=True)
+"""
+
+
+def _start(argv: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _ended_within(p: subprocess.Popen[str], timeout: float) -> float | None:
+    """Seconds until `p` exited, or None (and `p` killed) if it still ran `timeout` s later."""
+    t0 = time.monotonic()
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        return None
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize(
+    "caller, sig, ends",
+    [
+        ("python os.stat", signal.SIGINT, "KeyboardInterrupt"),
+        ("python open", signal.SIGINT, "KeyboardInterrupt"),
+        ("cat", signal.SIGINT, ""),
+        ("stat", signal.SIGTERM, ""),
+    ],
+)
+def test_a_signal_ends_a_wait_for_an_uncommitted_step(
+    tmp_path: Path, mounts, caller: str, sig: signal.Signals, ends: str
+) -> None:
+    """The kernel waits for the mount's answer whatever signal the caller gets: the mount answers
+    EINTR once the caller has one pending, so it dies of the signal (Python: KeyboardInterrupt)."""
+    url = file_url(tmp_path / "stream")
+    create(url, 1, 1)
+    produce(url, "p", tgb("a", 1))  # step 0
+    m = mounts(url, "--wait", 30)
+    future = m.mountpoint / "rank-0" / step_name(3)
+    argv = {
+        "python os.stat": [sys.executable, "-c", STAT_CALLER, str(future), "-"],
+        "python open": [sys.executable, "-c", OPEN_CALLER, str(future / "_meta.json"), "-"],
+        "cat": ["cat", str(future / "_meta.json")],
+        "stat": ["stat", str(future)],
+    }[caller]
+    p = _start(argv)
+    if caller.startswith("python"):
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+    time.sleep(1.0)
+    assert p.poll() is None, f"{caller} of uncommitted step 3 returned at once: {p.communicate()}"
+    p.send_signal(sig)
+    took = _ended_within(p, 10.0)
+    _, err = p.communicate()
+    assert took is not None and took < 3.0, f"{caller} waiting for step 3 ended {took} s after {sig.name}"
+    assert p.returncode == -sig, (p.returncode, err)
+    assert ends in err
+    assert m.proc is not None and m.proc.poll() is None  # the mount serves on
+    assert os.path.isdir(m.mountpoint / "rank-0" / step_name(0))
+
+
+def test_timeout_ends_a_cat_of_an_uncommitted_step_on_time(tmp_path: Path, mounts) -> None:
+    url = file_url(tmp_path / "stream")
+    create(url, 1, 1)
+    produce(url, "p", tgb("a", 1))  # step 0
+    m = mounts(url, "--wait", 30)
+    t0 = time.monotonic()
+    r = subprocess.run(["timeout", "2", "cat", str(m.mountpoint / "rank-0" / step_name(1) / "_meta.json")],
+                       capture_output=True, timeout=60, check=False)  # fmt: skip
+    took = time.monotonic() - t0
+    assert r.returncode == 124, r
+    assert 1.9 < took < 4.0, f"timeout 2 cat of an uncommitted step took {took:.2f} s"
+
+
+def test_callers_that_handle_signals_still_wait_for_the_commit(tmp_path: Path, mounts) -> None:
+    """Signals whose handler returns do not end a wait for Python's open() (it retries, PEP 475);
+    `cat` and `stat` that get none wait as before; all return once a producer commits the step.
+    os.stat() does not retry: it raises InterruptedError."""
+    url = file_url(tmp_path / "stream")
+    create(url, 2, 2)
+    produce(url, "p", tgb("a", 2))  # step 0
+    m = mounts(url, "--wait", 30)
+    future = m.mountpoint / "rank-1" / step_name(1)
+    opener = _start([sys.executable, "-c", OPEN_CALLER, str(future / "_meta.json"), "handler"])
+    stat_caller = _start([sys.executable, "-c", STAT_CALLER, str(future), "handler"])
+    plain = [_start(["cat", str(future / "_meta.json")]), _start(["stat", "-c", "%F", str(future)])]
+    try:
+        for p in (opener, stat_caller):
+            assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        time.sleep(0.5)
+        for _ in range(3):
+            opener.send_signal(signal.SIGUSR1)
+            time.sleep(0.6)
+        stat_caller.send_signal(signal.SIGUSR1)
+        assert _ended_within(stat_caller, 5.0) is not None
+        assert stat_caller.communicate()[0] == f"signal\nerror InterruptedError {errno.EINTR}\n"
+        assert all(p.poll() is None for p in (opener, *plain)), "a caller stopped waiting for step 1"
+        produce(url, "p", tgb("b", 2))  # step 1
+        for p in (opener, *plain):
+            assert _ended_within(p, 10.0) is not None, f"{p.args[0]} still waits 10 s after step 1 committed"
+        out, err = opener.communicate()
+        assert opener.returncode == 0 and out == "signal\n" * 3 + "step 1\n", (out, err)
+        cat_out, _ = plain[0].communicate()
+        assert json.loads(cat_out)["step"] == 1 and json.loads(cat_out)["rank"] == 1
+        assert plain[1].communicate()[0] == "directory\n"
+    finally:
+        for p in (opener, stat_caller, *plain):
+            if p.poll() is None:  # pragma: no cover - reported above
+                p.kill()
+                p.communicate()
 
 
 # -- 4. latest -----------------------------------------------------------------------------------------
@@ -1097,12 +1227,38 @@ def test_umount_of_a_path_that_is_not_mounted_says_so_in_one_line(tmp_path: Path
         assert not r.stdout
 
 
+def test_mount_prints_one_line_on_stdout_when_it_serves(tmp_path: Path) -> None:
+    url = file_url(tmp_path / "stream")
+    create(url, 2, 2)
+    produce(url, "p", tgb("a", 2))
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    p = spawn_cli("mount", url, mp, "--ranks", "0-1")
+    try:
+        assert p.stdout is not None
+        ready, _, _ = select.select([p.stdout], [], [], 30)
+        line = p.stdout.readline() if ready else "(nothing within 30 s)"
+        assert line == f"mounted {url} at {mp} (ranks 0-1)\n", line
+        assert os.path.isdir(mp / "rank-1" / step_name(0))  # it serves
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True, timeout=30, check=True)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:  # pragma: no cover - it did not exit
+            p.kill()
+            p.communicate()
+        if is_mounted(mp):  # pragma: no cover - its process was killed
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True, timeout=30)
+    assert p.returncode == 0 and out == "", (out, err)
+    assert not is_mounted(mp)
+
+
 def test_mount_refuses_a_mounted_or_non_empty_mount_point(tmp_path: Path, mounts) -> None:
     url = file_url(tmp_path / "stream")
     create(url, 1, 1)
     produce(url, "p", tgb("a", 1))
     m = mounts(url)
     r = run_cli("mount", url, m.mountpoint, check=False, timeout=30)
+    assert not r.stdout  # "mounted …" only once it is mounted
     assert (
         r.stderr
         == f"lakestream mount: error: {m.mountpoint} is already a mount point (fuse.lakestream); unmount it first\n"
