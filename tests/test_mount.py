@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 from mountutil import MountProc, PathDataset, is_mounted, read_tree, step_name
 
 import lakestream
+from lakestream_mount._fs import signal_pending
 from lakestream_mount._mounts import mounts_at
 
 if not os.path.exists("/dev/fuse") or not os.access("/dev/fuse", os.R_OK | os.W_OK):
@@ -526,6 +527,27 @@ def test_a_signal_ends_a_wait_for_an_uncommitted_step_and_only_that_one(tmp_path
                 p.communicate()
     assert m.proc is not None and m.proc.poll() is None  # the mount serves on
     assert os.path.isdir(r0 / step_name(0))
+
+
+def test_signal_pending_counts_the_signals_that_interrupt_a_fuse_request() -> None:
+    """Pending and not blocked, as the kernel decides when to send FUSE_INTERRUPT."""
+    blocker = "import signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1}); print('ready', flush=True); sys.stdin.readline()"
+    p = subprocess.Popen([sys.executable, "-c", blocker], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        assert not signal_pending(p.pid)
+        p.send_signal(signal.SIGUSR1)
+        time.sleep(0.1)
+        assert not signal_pending(p.pid)  # blocked
+        p.send_signal(signal.SIGSTOP)  # a stopped process keeps what is sent to it pending
+        stat_path = Path(f"/proc/{p.pid}/stat")
+        wait_until(lambda: stat_path.read_text().rsplit(")", 1)[1].split()[0] == "T", 10, "stopped")
+        p.send_signal(signal.SIGUSR2)
+        assert wait_until(lambda: signal_pending(p.pid), 10, "SIGUSR2 pending")
+    finally:
+        p.kill()
+        p.communicate()
+    assert not signal_pending(p.pid) and not signal_pending(0)  # gone; a caller we cannot see
 
 
 def test_callers_that_handle_signals_still_wait_for_the_commit(tmp_path: Path, mounts) -> None:
