@@ -551,6 +551,8 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
                 with open(os.path.join(d, META_NAME), "rb") as f:
                     meta = orjson.loads(f.read())
                 break
+            except InterruptedError:  # a signal ended the mount's wait and its handler returned
+                continue
             except FileNotFoundError:
                 status = self.status()
                 if step < status["first_step"]:

@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import random
 import re
+import select
 import signal
 import struct
 import subprocess
@@ -35,6 +36,7 @@ from hypothesis import strategies as st
 from mountutil import MountProc, PathDataset, is_mounted, read_tree, step_name
 
 import lakestream
+from lakestream_mount._fs import signal_pending
 from lakestream_mount._mounts import mounts_at
 
 if not os.path.exists("/dev/fuse") or not os.access("/dev/fuse", os.R_OK | os.W_OK):
@@ -439,6 +441,151 @@ def test_ls_of_a_step_that_never_comes_waits_once(tmp_path: Path, mounts, ls: li
     assert r.returncode != 0 and "No such file or directory" in r.stderr and not r.stdout, r
     assert wait - 0.2 < took < 1.5 * wait, f"{' '.join(ls)} of an uncommitted step took {took:.2f} s with --wait {wait}"
     assert sorted(os.listdir(m.mountpoint / "rank-0")) == [step_name(0), "latest"]  # no trace of step 5
+
+
+# Python callers of a step that is not committed yet; `ready` once the signal handler is set.
+STAT_CALLER = """
+import os, signal, sys
+if sys.argv[2] == "handler":
+    signal.signal(signal.SIGUSR1, lambda *_: print("signal", flush=True))
+print("ready", flush=True)
+try:
+    print("stat", oct(os.stat(sys.argv[1]).st_mode), flush=True)
+except OSError as e:
+    print("error", type(e).__name__, e.errno, flush=True)
+"""
+
+OPEN_CALLER = """
+import json, signal, sys
+if sys.argv[2] == "handler":
+    signal.signal(signal.SIGUSR1, lambda *_: print("signal", flush=True))
+print("ready", flush=True)
+with open(sys.argv[1], "rb") as f:
+    print("step", json.loads(f.read())["step"], flush=True)
+"""
+
+
+def _start(argv: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _ended_within(p: subprocess.Popen[str], timeout: float) -> float | None:
+    """Seconds until `p` exited, or None (and `p` killed) if it still ran `timeout` s later."""
+    t0 = time.monotonic()
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        return None
+    return time.monotonic() - t0
+
+
+def test_a_signal_ends_a_wait_for_an_uncommitted_step_and_only_that_one(tmp_path: Path, mounts) -> None:
+    """The kernel waits for the mount's answer whatever signal the caller gets: the mount answers
+    EINTR once the caller has one pending, so it dies of the signal (Python: KeyboardInterrupt),
+    while the other callers wait on; `timeout 2 cat` ends after 2 s."""
+    url = file_url(tmp_path / "stream")
+    create(url, 1, 1)
+    produce(url, "p", tgb("a", 1))  # step 0
+    m = mounts(url, "--wait", 30)
+    r0 = m.mountpoint / "rank-0"
+    timed_cat = Blocked(
+        lambda: subprocess.run(
+            ["timeout", "2", "cat", str(r0 / step_name(9) / "_meta.json")], capture_output=True, timeout=60, check=False
+        )
+    )
+    started = time.monotonic()
+    callers = {  # what, (process, signal, what its stderr shows)
+        "python os.stat": (_start([sys.executable, "-c", STAT_CALLER, str(r0 / step_name(3)), "-"]),
+                           signal.SIGINT, "KeyboardInterrupt"),
+        "python open": (_start([sys.executable, "-c", OPEN_CALLER, str(r0 / step_name(4) / "_meta.json"), "-"]),
+                        signal.SIGINT, "KeyboardInterrupt"),
+        "cat": (_start(["cat", str(r0 / step_name(5) / "_meta.json")]), signal.SIGINT, ""),
+        "stat": (_start(["stat", str(r0 / step_name(6))]), signal.SIGTERM, ""),
+    }  # fmt: skip
+    try:
+        for what, (p, _, _) in callers.items():
+            if what.startswith("python"):
+                assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        time.sleep(1.0)
+        for what, (p, sig, ends) in callers.items():
+            assert p.poll() is None, f"{what} of an uncommitted step returned: {p.communicate()}"
+            p.send_signal(sig)
+            took = _ended_within(p, 10.0)
+            _, err = p.communicate()
+            assert took is not None and took < 3.0, f"{what} waiting for a step ended {took} s after {sig.name}"
+            assert p.returncode == -sig and ends in err, (what, p.returncode, err)
+        timed_cat.join(30)
+        assert timed_cat.error is None and timed_cat.result.returncode == 124, (timed_cat.error, timed_cat.result)
+        took = timed_cat.returned_at - started
+        assert 1.9 < took < 4.0, f"timeout 2 cat of an uncommitted step took {took:.2f} s"
+    finally:
+        for p, _, _ in callers.values():
+            if p.poll() is None:  # pragma: no cover - reported above
+                p.kill()
+                p.communicate()
+    assert m.proc is not None and m.proc.poll() is None  # the mount serves on
+    assert os.path.isdir(r0 / step_name(0))
+
+
+def test_signal_pending_counts_the_signals_that_interrupt_a_fuse_request() -> None:
+    """Pending and not blocked, as the kernel decides when to send FUSE_INTERRUPT."""
+    blocker = "import signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1}); print('ready', flush=True); sys.stdin.readline()"
+    p = subprocess.Popen([sys.executable, "-c", blocker], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        assert not signal_pending(p.pid)
+        p.send_signal(signal.SIGUSR1)
+        time.sleep(0.1)
+        assert not signal_pending(p.pid)  # blocked
+        p.send_signal(signal.SIGSTOP)  # a stopped process keeps what is sent to it pending
+        stat_path = Path(f"/proc/{p.pid}/stat")
+        wait_until(lambda: stat_path.read_text().rsplit(")", 1)[1].split()[0] == "T", 10, "stopped")
+        p.send_signal(signal.SIGUSR2)
+        assert wait_until(lambda: signal_pending(p.pid), 10, "SIGUSR2 pending")
+    finally:
+        p.kill()
+        p.communicate()
+    assert not signal_pending(p.pid) and not signal_pending(0)  # gone; a caller we cannot see
+
+
+def test_callers_that_handle_signals_still_wait_for_the_commit(tmp_path: Path, mounts) -> None:
+    """Signals whose handler returns do not end a wait for Python's open() (it retries, PEP 475);
+    `cat` and `stat` that get none wait as before; all return once a producer commits the step.
+    os.stat() does not retry: it raises InterruptedError."""
+    url = file_url(tmp_path / "stream")
+    create(url, 2, 2)
+    produce(url, "p", tgb("a", 2))  # step 0
+    m = mounts(url, "--wait", 30)
+    future = m.mountpoint / "rank-1" / step_name(1)
+    opener = _start([sys.executable, "-c", OPEN_CALLER, str(future / "_meta.json"), "handler"])
+    stat_caller = _start([sys.executable, "-c", STAT_CALLER, str(future), "handler"])
+    plain = [_start(["cat", str(future / "_meta.json")]), _start(["stat", "-c", "%F", str(future)])]
+    try:
+        for p in (opener, stat_caller):
+            assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        time.sleep(0.5)
+        for _ in range(3):
+            opener.send_signal(signal.SIGUSR1)
+            time.sleep(0.6)
+        stat_caller.send_signal(signal.SIGUSR1)
+        assert _ended_within(stat_caller, 5.0) is not None
+        assert stat_caller.communicate()[0] == f"signal\nerror InterruptedError {errno.EINTR}\n"
+        assert all(p.poll() is None for p in (opener, *plain)), "a caller stopped waiting for step 1"
+        produce(url, "p", tgb("b", 2))  # step 1
+        for p in (opener, *plain):
+            assert _ended_within(p, 10.0) is not None, f"{p.args[0]} still waits 10 s after step 1 committed"
+        out, err = opener.communicate()
+        assert opener.returncode == 0 and re.fullmatch(r"(signal\n)+step 1\n", out), (out, err)  # two may merge
+        cat_out, _ = plain[0].communicate()
+        assert json.loads(cat_out)["step"] == 1 and json.loads(cat_out)["rank"] == 1
+        assert plain[1].communicate()[0] == "directory\n"
+    finally:
+        for p in (opener, stat_caller, *plain):
+            if p.poll() is None:  # pragma: no cover - reported above
+                p.kill()
+                p.communicate()
 
 
 # -- 4. latest -----------------------------------------------------------------------------------------
@@ -1097,12 +1244,38 @@ def test_umount_of_a_path_that_is_not_mounted_says_so_in_one_line(tmp_path: Path
         assert not r.stdout
 
 
+def test_mount_prints_one_line_on_stdout_when_it_serves(tmp_path: Path) -> None:
+    url = file_url(tmp_path / "stream")
+    create(url, 2, 2)
+    produce(url, "p", tgb("a", 2))
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    p = spawn_cli("mount", url, mp, "--ranks", "0-1")
+    try:
+        assert p.stdout is not None
+        ready, _, _ = select.select([p.stdout], [], [], 30)
+        line = p.stdout.readline() if ready else "(nothing within 30 s)"
+        assert line == f"mounted {url} at {mp} (ranks 0-1)\n", line
+        assert os.path.isdir(mp / "rank-1" / step_name(0))  # it serves
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True, timeout=30, check=True)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:  # pragma: no cover - it did not exit
+            p.kill()
+            p.communicate()
+        if is_mounted(mp):  # pragma: no cover - its process was killed
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True, timeout=30)
+    assert p.returncode == 0 and out == "", (out, err)
+    assert not is_mounted(mp)
+
+
 def test_mount_refuses_a_mounted_or_non_empty_mount_point(tmp_path: Path, mounts) -> None:
     url = file_url(tmp_path / "stream")
     create(url, 1, 1)
     produce(url, "p", tgb("a", 1))
     m = mounts(url)
     r = run_cli("mount", url, m.mountpoint, check=False, timeout=30)
+    assert not r.stdout  # "mounted …" only once it is mounted
     assert (
         r.stderr
         == f"lakestream mount: error: {m.mountpoint} is already a mount point (fuse.lakestream); unmount it first\n"

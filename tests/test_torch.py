@@ -509,9 +509,21 @@ def test_mount_dataset_reads_the_same_items_as_the_stream(mounted: tuple[str, Pa
 
 
 def test_mount_dataset_waits_for_steps_committed_later(mounted: tuple[str, Path]) -> None:
+    """Also while signals whose handler returns arrive: the mount ends a wait with EINTR on a
+    signal, and the dataset looks again."""
     url, mp = mounted
     ds = MountDataset(mp, rank=0, start=4, stop=7)
-    producer = threading.Thread(target=lambda: (time.sleep(0.5), add_steps(url, 5, 2)))
+    handled = []
+
+    def signal_then_produce() -> None:
+        for _ in range(2):
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.3)
+        add_steps(url, 5, 2)
+
+    previous = signal.signal(signal.SIGUSR1, lambda *_: handled.append(time.monotonic()))
+    producer = threading.Thread(target=signal_then_produce)
     producer.start()
     try:
         t0 = time.monotonic()
@@ -519,8 +531,9 @@ def test_mount_dataset_waits_for_steps_committed_later(mounted: tuple[str, Path]
         waited = time.monotonic() - t0
     finally:
         producer.join()
+        signal.signal(signal.SIGUSR1, previous)
     assert_same(items, [expected(0, s) for s in range(4, 7)])
-    assert waited > 0.4
+    assert waited > 1.2 and len(handled) == 2
     assert ds.state_dict() == {"next_step": 7}
 
 

@@ -65,7 +65,7 @@ async def _serve(url: str, mountpoint: str, ranks_spec: str, world_size: int | N
         opts = set(pyfuse3.default_options) | {"fsname=lakestream", "subtype=lakestream", "ro"}
         pyfuse3.init(fs, mountpoint, opts)
         _raise_readahead(mountpoint)
-        log.info("mounted %s at %s (ranks %s)", url, mountpoint, ranks_spec)
+        print(f"mounted {url} at {mountpoint} (ranks {ranks_spec})", flush=True)  # the one line on stdout
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, fs.shutdown)

@@ -33,6 +33,12 @@ Theory of operation.
   committed, the node becomes that TGB's step directory; if the wait runs out it answers ENOENT,
   and so does a lookup of that step within `EXPIRED_GRACE` seconds after, so that `ls` of a
   missing step (a `stat`, then an `lstat`) says "no such file" after one wait, not two.
+- Signals. Once a request reaches us the kernel waits for our answer whatever signal its caller
+  gets; it sends FUSE_INTERRUPT, but pyfuse3 does not deliver that. So a waiting request looks,
+  every `INTERRUPT_POLL` seconds, at whether its caller's thread has a signal pending that it does
+  not block (what makes the kernel send FUSE_INTERRUPT), and if so answers EINTR: the caller then
+  dies of the signal, runs its handler (Python's `open()` retries after one that returns, PEP
+  475), or sees EINTR. Without a signal nothing changes: the request waits for the commit.
 - Reads come from a bounded cache of whole rank slices, fetched with one range GET each, checked
   (CRC-32) and indexed into bytes the mount owns; concurrent reads of one slice share the fetch.
   Names from a slice are checked before they become file names: a hostile one is CorruptData.
@@ -69,7 +75,7 @@ from lakestream._retry import Backoff  # the library's one backoff policy (same 
 
 from ._mounts import mounts_at
 
-__all__ = ["Inodes", "LakeFS", "Node", "SliceCache", "check_names", "step_of_name"]
+__all__ = ["Inodes", "LakeFS", "Node", "SliceCache", "check_names", "signal_pending", "step_of_name"]
 
 log = logging.getLogger("lakestream.mount")
 
@@ -80,6 +86,7 @@ MAX_WORLD = LIMITS["world_size"][1]
 META = -1  # the file index of `_meta.json`
 FOREVER = 24 * 3600.0
 EXPIRED_GRACE = 0.5  # seconds a step whose wait ran out is reported missing without a new wait
+INTERRUPT_POLL = 0.2  # seconds between looks at whether a waiting request's caller got a signal
 STATUS_NAME = layout.STATUS_NAME.encode()
 META_NAME = layout.META_NAME.encode()
 LATEST_NAME = layout.LATEST_NAME.encode()
@@ -94,6 +101,27 @@ def step_of_name(name: bytes) -> int | None:
         return None
     step = int(name)
     return step if name == b"%012d" % step else None
+
+
+def signal_pending(tid: int) -> bool:
+    """Whether thread `tid` (a FUSE request's caller) has a signal pending that it does not block:
+    what makes the kernel interrupt the request it waits on. False if its /proc entry cannot be
+    read (gone, or in a PID namespace we do not see: the kernel then sends pid 0)."""
+    if tid <= 0:
+        return False
+    try:
+        with open(f"/proc/{tid}/status", "rb") as f:
+            status = f.read()
+    except OSError:
+        return False
+    masks = {}
+    for line in status.splitlines():
+        name, _, value = line.partition(b":")
+        if name in (b"SigPnd", b"ShdPnd", b"SigBlk"):
+            masks[name] = int(value, 16)
+    if len(masks) != 3:
+        return False
+    return bool((masks[b"SigPnd"] | masks[b"ShdPnd"]) & ~masks[b"SigBlk"])
 
 
 def _leaf(e: BaseException) -> BaseException:
@@ -557,9 +585,9 @@ class LakeFS(pyfuse3.Operations):
             self._prefetch()
         return await self.cache.get(node.rank, node.entry, node.world)
 
-    async def _wait_for(self, step: int) -> bool:
+    async def _wait_for(self, step: int, caller: int) -> bool:
         """True once `step` is committed; False if it is not retained, `wait` ran out, or the
-        mount is shutting down."""
+        mount is shutting down. EINTR once the `caller` thread has a signal pending."""
         started = time.monotonic()
         deadline = started + self.wait
         self._waiters += 1
@@ -568,9 +596,12 @@ class LakeFS(pyfuse3.Operations):
                 left = deadline - time.monotonic()
                 if left <= 0 or self.closing.is_set():
                     return False
+                if signal_pending(caller):
+                    log.info("step %d: caller %d got a signal while waiting for it: EINTR", step, caller)
+                    raise pyfuse3.FUSEError(errno.EINTR)
                 self._poke.set()
                 changed = self._changed
-                with anyio.move_on_after(left):
+                with anyio.move_on_after(min(left, INTERRUPT_POLL) if caller > 0 else left):
                     await changed.wait()
         finally:
             self._waiters -= 1
@@ -655,14 +686,15 @@ class LakeFS(pyfuse3.Operations):
             return ("latest" if latest else "rank"), r
         raise pyfuse3.FUSEError(errno.ENOENT)
 
-    async def _node(self, inode: int) -> Node:
-        """The node of `inode`, once committed (a pending one waits, or fails with ENOENT); ESTALE
-        if its TGB is no longer the committed one."""
+    async def _node(self, inode: int, ctx: Any) -> Node:
+        """The node of `inode`, once committed (a pending one waits for the request's caller, or
+        fails with ENOENT or EINTR); ESTALE if its TGB is no longer the committed one."""
         node = self.inodes.nodes.get(inode)
         if node is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
         if node.kind == "pending":
-            entry = self.state.step(node.step) if await self._wait_for(node.step) else None
+            caller = ctx.pid if ctx is not None else 0
+            entry = self.state.step(node.step) if await self._wait_for(node.step, caller) else None
             if entry is None:
                 now = time.monotonic()
                 self._expired = {k: t for k, t in self._expired.items() if t > now}
@@ -679,7 +711,7 @@ class LakeFS(pyfuse3.Operations):
     @_handler
     async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
         if inode in self.inodes.nodes:
-            return self._node_attr(await self._node(inode))
+            return self._node_attr(await self._node(inode, ctx))
         kind, _ = self._fixed(inode)
         if kind == "root":
             return self._attr(ROOT, stat.S_IFDIR | 0o555)
@@ -692,7 +724,7 @@ class LakeFS(pyfuse3.Operations):
     @_handler
     async def lookup(self, parent: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
         if parent in self.inodes.nodes:
-            node = await self._node(parent)
+            node = await self._node(parent, ctx)
             if node.kind != "step":
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
             sl = await self._slice(node)
@@ -749,7 +781,7 @@ class LakeFS(pyfuse3.Operations):
     @_handler
     async def opendir(self, inode: int, ctx: Any = None) -> int:
         if inode in self.inodes.nodes:
-            node = await self._node(inode)
+            node = await self._node(inode, ctx)
             if node.kind != "step":
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
             return self._open_handle(node)
@@ -816,7 +848,7 @@ class LakeFS(pyfuse3.Operations):
         if inode not in self.inodes.nodes:
             kind, _ = self._fixed(inode)
             raise pyfuse3.FUSEError(errno.EISDIR if kind in ("root", "rank") else errno.ELOOP)
-        node = await self._node(inode)
+        node = await self._node(inode, ctx)
         if node.kind != "file":
             raise pyfuse3.FUSEError(errno.EISDIR)
         return pyfuse3.FileInfo(fh=self._open_handle(node), keep_cache=True)
