@@ -911,7 +911,7 @@ def _fleet_progress(a: argparse.Namespace, bars: Progress) -> Iterator[None]:
 
 
 def _dev_s3(a: argparse.Namespace) -> int:
-    from .testing import S3Server
+    from ._devs3 import S3Server
 
     with S3Server(dir=a.dir, port=a.port) as server:
         bucket = server.ensure_bucket(a.bucket)

@@ -30,7 +30,7 @@ from .._manifest import Manifest
 from .._state import State
 from .._store import ObjectStore, set_store_wrapper
 from ._faulty import S3_LIKE, FaultyStore
-from ._s3server import S3Server, WeedNotFound, find_weed, free_ports
+from .._devs3 import S3Server, WeedNotFound, find_weed, free_ports
 
 __all__ = [
     "LOG_PREFIX",
