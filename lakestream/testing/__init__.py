@@ -25,12 +25,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from .._devs3 import S3Server, WeedNotFound, find_weed, free_ports
 from .._layout import LOG_PREFIX, SNAPSHOT_PREFIX, log_key, parse_segment_key
 from .._manifest import Manifest
 from .._state import State
 from .._store import ObjectStore, set_store_wrapper
 from ._faulty import S3_LIKE, FaultyStore
-from .._devs3 import S3Server, WeedNotFound, find_weed, free_ports
 
 __all__ = [
     "LOG_PREFIX",
