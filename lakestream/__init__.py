@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+from . import metrics as metrics  # installs the Prometheus recorders into the engine's hooks
 from ._errors import (
     AccessDenied,
     BucketNotFound,

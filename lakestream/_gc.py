@@ -31,7 +31,7 @@ from typing import Any, ParamSpec
 import orjson
 
 from . import _decisions as decisions
-from . import metrics
+from . import _hooks
 from ._errors import CorruptData, ObjectNotFound, StoreFull
 from ._layout import (
     HINT_KEY,
@@ -227,7 +227,7 @@ def _counted(fn: Callable[P, Awaitable[GcReport]]) -> Callable[P, Coroutine[Any,
     @functools.wraps(fn)
     async def run(*args: P.args, **kwargs: P.kwargs) -> GcReport:
         report = await fn(*args, **kwargs)
-        metrics.gc_done(report)
+        _hooks.gc_done(report)
         return report
 
     return run

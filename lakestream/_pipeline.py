@@ -19,7 +19,7 @@ from typing import Any
 
 import anyio
 
-from . import metrics
+from . import _hooks
 from ._batching import mix_counts
 from ._errors import ConfigMismatch, MixChanged
 from ._layout import KEY_FIELD, SOURCE_FIELD
@@ -131,7 +131,7 @@ async def produce(
             async with open_producer(target, producer_id, **options) as p:
                 if on_open is not None:
                     on_open(p)
-                metrics.track_map(p.store.url, producer_id, mapped)
+                _hooks.track_map(p.store.url, producer_id, mapped)
                 start = p.cursor
                 for src in [single] if named is None else sources.values():
                     if isinstance(src, WdsSource):  # refuses a sample over the limit before reading it

@@ -26,7 +26,7 @@ import anyio.to_thread
 import orjson
 
 from . import _decisions as decisions
-from . import metrics
+from . import _hooks
 from ._batching import assign_ranks
 from ._errors import InvalidSample, ObjectNotFound, ProducerFenced, SegmentLost
 from ._layout import COST_FIELD, segment_key
@@ -127,7 +127,7 @@ class Producer:
         self._flushing = 0
         self._error: BaseException | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._metrics = metrics.producer(self)
+        self._metrics = _hooks.producer(self)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

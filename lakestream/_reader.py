@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from . import metrics
+from . import _hooks
 from ._batching import reslice
 from ._errors import ConfigMismatch, CorruptData, ObjectNotFound, StepUnavailable
 from ._manifest import Manifest
@@ -100,7 +100,7 @@ class Reader:
         self._fetches: dict[tuple[int, int, int], _Fetch] = {}  # see _key
         self._inflight_bytes = 0
         self._tg: anyio.abc.TaskGroup | None = None
-        self._metrics = metrics.reader(self)
+        self._metrics = _hooks.reader(self)
 
     @property
     def state(self) -> State:

@@ -32,6 +32,9 @@ try:
 except ImportError:  # the core works without the extra: every recorder is a no-op
     prom = None  # type: ignore[assignment]
 
+from . import _hooks
+from ._hooks import NOOP_MOUNT, NOOP_PRODUCER, NOOP_READER, MountRecorder, ProducerRecorder, ReaderRecorder
+
 if TYPE_CHECKING:
     from ._gc import GcReport
     from ._manifest import AppendResult, Manifest
@@ -41,6 +44,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AVAILABLE",
+    "NOOP_MOUNT",
+    "NOOP_PRODUCER",
+    "NOOP_READER",
     "MountRecorder",
     "ProducerRecorder",
     "ReaderRecorder",
@@ -134,67 +140,7 @@ if prom is not None:
     GC_LAST = G("lakestream_gc_last_run_timestamp_seconds", "Unix time of the last completed GC run", S)
 
 
-# -- recorders: the no-op ones are the base classes -----------------------------------------------
-
-
-class ProducerRecorder:
-    """What a producer records; this base records nothing."""
-
-    __slots__ = ()
-
-    def uploaded(self, nbytes: int) -> None:
-        pass
-
-    def upload_failed(self, error: BaseException) -> None:
-        pass
-
-    def committed(self, tgb: _Tgb, seconds: float) -> None:
-        pass
-
-    def appended(self, result: AppendResult) -> None:
-        pass
-
-    def held(self, seconds: float) -> None:
-        pass
-
-
-class ReaderRecorder:
-    """What a reader records; this base records nothing."""
-
-    __slots__ = ()
-
-    def stalled(self, seconds: float) -> None:
-        pass
-
-    def fetched(self, nbytes: int) -> None:
-        pass
-
-    def checksum_failed(self) -> None:
-        pass
-
-
-class MountRecorder:
-    """What the mount records; this base records nothing."""
-
-    __slots__ = ()
-
-    def hit(self, rank: int) -> None:
-        pass
-
-    def miss(self, rank: int) -> None:
-        pass
-
-    def fetch(self, seconds: float) -> None:
-        pass
-
-    def waited(self, seconds: float) -> None:
-        pass
-
-    def eio(self, op: str) -> None:
-        pass
-
-
-NOOP_PRODUCER, NOOP_READER, NOOP_MOUNT = ProducerRecorder(), ReaderRecorder(), MountRecorder()
+# -- recorders: the no-op ones are the base classes, in _hooks ----------------------------------------
 
 
 class _Producer(ProducerRecorder):
@@ -491,3 +437,26 @@ class _LiveCollector:
 
 if prom is not None:
     prom.REGISTRY.register(_LiveCollector())
+
+
+class _PrometheusHooks(_hooks.Hooks):
+    """The engine's hooks, recorded here."""
+
+    def producer(self, p: Producer) -> ProducerRecorder:
+        return producer(p)
+
+    def reader(self, r: Reader) -> ReaderRecorder:
+        return reader(r)
+
+    def mount(self, fs: Any) -> MountRecorder:
+        return mount(fs)
+
+    def track_map(self, stream: str, producer_id: str, stats: MapStats | None) -> None:
+        track_map(stream, producer_id, stats)
+
+    def gc_done(self, report: GcReport) -> None:
+        gc_done(report)
+
+
+if prom is not None:
+    _hooks.install(_PrometheusHooks())

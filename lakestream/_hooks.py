@@ -1,0 +1,147 @@
+"""What the engine reports as it works: the recorder interface, on the lowest floor.
+
+The producer, the reader, the mount and GC call these hooks once per TGB, commit, step, fetch or
+request, never per sample. The base recorders record nothing; `lakestream.metrics` installs
+Prometheus ones (`install`) when it is imported with `prometheus_client` available. The engine
+imports only this module, so measuring never makes the engine depend on what measures it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # types only: nothing here imports the engine at run time
+    from ._gc import GcReport
+    from ._manifest import AppendResult
+    from ._producer import Producer, _Tgb
+    from ._reader import Reader
+    from ._transform import MapStats
+
+__all__ = [
+    "NOOP_MOUNT",
+    "NOOP_PRODUCER",
+    "NOOP_READER",
+    "Hooks",
+    "MountRecorder",
+    "ProducerRecorder",
+    "ReaderRecorder",
+    "gc_done",
+    "install",
+    "mount",
+    "producer",
+    "reader",
+    "track_map",
+]
+
+
+class ProducerRecorder:
+    """What a producer records; this base records nothing."""
+
+    __slots__ = ()
+
+    def uploaded(self, nbytes: int) -> None:
+        pass
+
+    def upload_failed(self, error: BaseException) -> None:
+        pass
+
+    def committed(self, tgb: _Tgb, seconds: float) -> None:
+        pass
+
+    def appended(self, result: AppendResult) -> None:
+        pass
+
+    def held(self, seconds: float) -> None:
+        pass
+
+
+class ReaderRecorder:
+    """What a reader records; this base records nothing."""
+
+    __slots__ = ()
+
+    def stalled(self, seconds: float) -> None:
+        pass
+
+    def fetched(self, nbytes: int) -> None:
+        pass
+
+    def checksum_failed(self) -> None:
+        pass
+
+
+class MountRecorder:
+    """What the mount records; this base records nothing."""
+
+    __slots__ = ()
+
+    def hit(self, rank: int) -> None:
+        pass
+
+    def miss(self, rank: int) -> None:
+        pass
+
+    def fetch(self, seconds: float) -> None:
+        pass
+
+    def waited(self, seconds: float) -> None:
+        pass
+
+    def eio(self, op: str) -> None:
+        pass
+
+
+NOOP_PRODUCER, NOOP_READER, NOOP_MOUNT = ProducerRecorder(), ReaderRecorder(), MountRecorder()
+
+
+class Hooks:
+    """Where recorders come from; this base hands out the ones that record nothing."""
+
+    def producer(self, p: Producer) -> ProducerRecorder:
+        return NOOP_PRODUCER
+
+    def reader(self, r: Reader) -> ReaderRecorder:
+        return NOOP_READER
+
+    def mount(self, fs: Any) -> MountRecorder:
+        return NOOP_MOUNT
+
+    def track_map(self, stream: str, producer_id: str, stats: MapStats | None) -> None:
+        pass
+
+    def gc_done(self, report: GcReport) -> None:
+        pass
+
+
+_hooks = Hooks()
+
+
+def install(hooks: Hooks) -> None:
+    """Make `hooks` hand out the recorders of every producer, reader and mount created from now on."""
+    global _hooks
+    _hooks = hooks
+
+
+def producer(p: Producer) -> ProducerRecorder:
+    """The recorder of a producer."""
+    return _hooks.producer(p)
+
+
+def reader(r: Reader) -> ReaderRecorder:
+    """The recorder of a reader of one rank (or of the mount's reader)."""
+    return _hooks.reader(r)
+
+
+def mount(fs: Any) -> MountRecorder:
+    """The recorder of a mount (`lakestream_mount.LakeFS`)."""
+    return _hooks.mount(fs)
+
+
+def track_map(stream: str, producer_id: str, stats: MapStats | None) -> None:
+    """Expose a transform's figures as the producer's (None: no transform)."""
+    _hooks.track_map(stream, producer_id, stats)
+
+
+def gc_done(report: GcReport) -> None:
+    """Count a GC run."""
+    _hooks.gc_done(report)
