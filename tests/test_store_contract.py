@@ -467,3 +467,48 @@ def test_a_process_that_used_the_s3_client_exits_cleanly(client: str) -> None:
     args = [sys.executable, "-c", EXITER, f"http://127.0.0.1:{port}", str(runs)]
     out = subprocess.run(args, env=env, timeout=120, check=True, capture_output=True, text=True).stdout
     assert out.split() == ["0"] * runs
+
+
+FORKER = """
+import asyncio, os, sys
+from lakestream._errors import StoreError
+from lakestream._store import open_store
+url = sys.argv[1]
+async def round_trip(store, key):
+    await asyncio.wait_for(store.put(key, key.encode()), 20)
+    assert bytes(await asyncio.wait_for(store.get_range(key, 0, 100), 20)) == key.encode()
+async def parent():
+    store = open_store(url)
+    await round_trip(store, "parent")
+    return store
+inherited = asyncio.run(parent())
+pid = os.fork()
+if pid == 0:  # as a DataLoader worker forked from a process that read the stream
+    async def child():
+        async with open_store(url) as store:
+            await round_trip(store, "child")
+            print(type(store).__name__, flush=True)
+        try:
+            await asyncio.wait_for(inherited.get("parent"), 20)
+        except StoreError as e:
+            print("inherited:", e, flush=True)
+    asyncio.run(child())
+    sys.exit(0)
+_, status = os.waitpid(pid, 0)
+print("child exit", status, flush=True)
+"""
+
+
+def test_a_process_forked_after_obstore_was_used_opens_its_stores_on_aiobotocore(s3_url: str) -> None:
+    """obstore's calls run on threads a fork does not copy: in a forked child a call never
+    returned. A store opened there uses aiobotocore; one inherited from the parent says why it
+    cannot be used."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    env.pop("LAKESTREAM_S3_CLIENT", None)
+    proc = subprocess.run([sys.executable, "-c", FORKER, s3_url], env=env, timeout=120, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "S3Store", proc.stdout + proc.stderr[-3000:]
+    assert lines[1].startswith("inherited: ") and "forked" in lines[1] and s3_url in lines[1], lines
+    assert lines[2] == "child exit 0", proc.stdout + proc.stderr[-3000:]

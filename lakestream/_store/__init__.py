@@ -2,7 +2,8 @@
 
 `s3://` has two clients: obstore (Rust's object_store, the default: it costs a third of the CPU
 per PUT and GET, docs/benchmarks.md) and aiobotocore. `LAKESTREAM_S3_CLIENT=obstore|aiobotocore`
-chooses one; both need the `s3` extra.
+chooses one; both need the `s3` extra. obstore's calls run on threads of its own, which a fork
+does not copy: a process forked from one that used obstore opens its `s3://` stores on aiobotocore.
 """
 
 from __future__ import annotations
@@ -67,9 +68,12 @@ def _open_store(url: str | os.PathLike[str], **options: object) -> ObjectStore:
         client = s3_client()
         try:
             if client == "obstore":
-                from ._obstore import ObstoreS3Store as S3Store
-            else:
-                from ._s3 import S3Store  # type: ignore[assignment]
+                from ._obstore import ObstoreS3Store, usable
+
+                if usable():
+                    return ObstoreS3Store.from_url(rest, **options)
+                client = "aiobotocore"  # forked from a process that used obstore: its threads are not here
+            from ._s3 import S3Store
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ImportError(f"s3:// URLs need the 's3' extra ({client}): pip install 'lakestream[s3]'") from e
         return S3Store.from_url(rest, **options)

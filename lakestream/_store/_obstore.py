@@ -43,7 +43,7 @@ from .._errors import StoreError
 from .._retry import RandomSource
 from ._s3base import S3Base, retryable_response
 
-__all__ = ["ObstoreS3Store"]
+__all__ = ["ObstoreS3Store", "usable"]
 
 T = TypeVar("T")
 
@@ -97,6 +97,13 @@ class _BotocoreCredentials:
 
 
 _graced = False
+_started_in: int | None = None  # the process whose obstore threads run: they do not survive a fork
+
+
+def usable() -> bool:
+    """False in a process forked from one that used obstore: the threads obstore's calls run on
+    were not forked with it, so a call would never return."""
+    return _started_in is None or _started_in == os.getpid()
 
 
 def _grace_at_exit() -> None:
@@ -172,8 +179,15 @@ class ObstoreS3Store(S3Base):
     # -- plumbing ------------------------------------------------------------------------------
 
     def _get_client(self) -> Any:
+        global _started_in
+        if not usable():
+            raise StoreError(
+                f"{self.url}: this store was opened in the process this one was forked from, after obstore "
+                "had started its threads there, which a fork does not copy: open the store in this process"
+            )
         if self._client is None:
             self._client = self._new_client()
+            _started_in = os.getpid()
             _grace_at_exit()
         return self._client
 
