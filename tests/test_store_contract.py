@@ -512,3 +512,28 @@ def test_a_process_forked_after_obstore_was_used_opens_its_stores_on_aiobotocore
     assert lines[0] == "S3Store", proc.stdout + proc.stderr[-3000:]
     assert lines[1].startswith("inherited: ") and "forked" in lines[1] and s3_url in lines[1], lines
     assert lines[2] == "child exit 0", proc.stdout + proc.stderr[-3000:]
+
+
+async def test_s3_credentials_and_region_from_the_aws_config_files(
+    s3_server: S3Server, s3_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, client: str
+) -> None:
+    """No keys in the environment: both clients find them in the credentials file of a profile,
+    as botocore does; with none anywhere, AccessDenied says what to set."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name)
+    (tmp_path / "credentials").write_text(
+        f"[bench]\naws_access_key_id = {s3_server.access_key}\naws_secret_access_key = {s3_server.secret_key}\n"
+    )
+    (tmp_path / "config").write_text("[profile bench]\nregion = us-east-1\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_PROFILE", "bench")
+    async with open_store(s3_url) as store:
+        await store.put("k", b"v")
+        assert bytes(await store.get_range("k", 0, 1)) == b"v"
+    monkeypatch.delenv("AWS_PROFILE")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    async with open_store(s3_url) as store:
+        with pytest.raises(AccessDenied, match="AWS_ACCESS_KEY_ID") as info:
+            await store.get("k")
+    assert s3_server.endpoint_url in str(info.value)
