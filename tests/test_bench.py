@@ -38,6 +38,15 @@ def test_commit_bench_smoke() -> None:
     assert re.search(r"^\| dac +\| 2 \| +4 \| +\d+\.\d", out.split("## 3. SeaweedFS")[1], re.M), out[-3000:]
 
 
+def test_s3client_bench_smoke() -> None:
+    out = run_bench("s3client.py")
+    for size in ("2.35 MB", "4 KiB"):
+        for op in ("PUT", "GET"):  # CPU per call of each client, their ratio, and throughput
+            row = rf"^\| {size} +\| {op} +\|( +[\d,]+ \|){{2}} +\d+\.\d\d \|( +[\d,]+\.\d \|){{2}}$"
+            assert re.search(row, out, re.M), (size, op, out[-3000:])
+    assert re.search(r"^cheaper in CPU on every row: (obstore|aiobotocore|neither \(mixed\))$", out, re.M), out[-3000:]
+
+
 def test_ingest_bench_smoke() -> None:
     out = run_bench("ingest.py")
     for store in ("file://", "SeaweedFS"):

@@ -13,7 +13,10 @@ from hypothesis import strategies as st
 
 from lakestream import StoreUnavailable
 from lakestream._retry import STORE_BACKOFF, Backoff, retry
+from lakestream._store._obstore import ObstoreS3Store
 from lakestream._store._s3 import S3_BACKOFF, S3Store
+
+S3_STORES = [S3Store, ObstoreS3Store]  # each S3 client's store
 
 
 class FakeTime:
@@ -190,8 +193,8 @@ def refused_endpoint() -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def s3_store(t: FakeTime, **options: float) -> S3Store:
-    return S3Store(
+def s3_store(cls: type[S3Store | ObstoreS3Store], t: FakeTime, **options: float) -> S3Store | ObstoreS3Store:
+    return cls(
         "bucket",
         endpoint_url=refused_endpoint(),
         aws_access_key_id="k",
@@ -204,18 +207,20 @@ def s3_store(t: FakeTime, **options: float) -> S3Store:
     )
 
 
-async def test_s3_gives_up_after_max_attempts() -> None:
+@pytest.mark.parametrize("cls", S3_STORES)
+async def test_s3_gives_up_after_max_attempts(cls: type[S3Store | ObstoreS3Store]) -> None:
     t = FakeTime()
-    async with s3_store(t, max_attempts=4, retry_timeout=1000) as store:
+    async with s3_store(cls, t, max_attempts=4, retry_timeout=1000) as store:
         with pytest.raises(StoreUnavailable, match="4 attempts") as info:
             await store.get("k")
     assert info.value.retried and store.requests == 4
     assert t.sleeps == pytest.approx([0.05, 0.1, 0.2])
 
 
-async def test_s3_gives_up_when_the_next_wait_would_pass_the_retry_timeout() -> None:
+@pytest.mark.parametrize("cls", S3_STORES)
+async def test_s3_gives_up_when_the_next_wait_would_pass_the_retry_timeout(cls: type[S3Store | ObstoreS3Store]) -> None:
     t = FakeTime()
-    async with s3_store(t, max_attempts=50, retry_timeout=1.0) as store:
+    async with s3_store(cls, t, max_attempts=50, retry_timeout=1.0) as store:
         with pytest.raises(StoreUnavailable, match=r"5 attempts in 0\.[78]s") as info:
             await store.list("")
     assert info.value.retried and store.requests == 5

@@ -1,35 +1,51 @@
-"""One contract for every ObjectStore backend: memory, file and S3 (a real SeaweedFS server)."""
+"""One contract for every ObjectStore backend: memory, file and S3 (a real SeaweedFS server) through
+each S3 client (obstore and aiobotocore)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from s3server import S3Server, free_ports
 
-from lakestream._errors import AccessDenied, BucketNotFound, ObjectNotFound, StoreUnavailable
-from lakestream._store import FileStore, ObjectStore, open_store
+from lakestream._errors import AccessDenied, BucketNotFound, ObjectNotFound, StoreError, StoreUnavailable
+from lakestream._store import S3_CLIENTS, FileStore, ObjectStore, open_store, s3_client
 
 REPO = Path(__file__).resolve().parents[1]
-BACKENDS = ["memory", "file", pytest.param("s3", marks=pytest.mark.s3)]
+BACKENDS = ["memory", "file", *(pytest.param(f"s3-{c}", marks=pytest.mark.s3) for c in S3_CLIENTS)]
 
 
 @pytest.fixture(params=BACKENDS)
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[ObjectStore]:
+async def store(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[ObjectStore]:
     if request.param == "memory":
         url = "memory://"
     elif request.param == "file":
         url = str(tmp_path / "store")
     else:
+        monkeypatch.setenv("LAKESTREAM_S3_CLIENT", request.param.removeprefix("s3-"))
         url = request.getfixturevalue("s3_url")
     async with open_store(url) as s:
         yield s
+
+
+@pytest.fixture(params=S3_CLIENTS)
+def client(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each S3 client in turn, chosen as users choose it (`LAKESTREAM_S3_CLIENT`)."""
+    monkeypatch.setenv("LAKESTREAM_S3_CLIENT", request.param)
+    return str(request.param)
 
 
 def is_s3(store: ObjectStore) -> bool:
@@ -227,9 +243,32 @@ async def test_file_list_never_shows_temp_files(tmp_path: Path) -> None:
 # -- S3 store -------------------------------------------------------------------------------------
 
 
-async def test_s3_url_and_options(s3_server: S3Server, s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def s3_store_class(client: str) -> Any:
+    if client == "obstore":
+        from lakestream._store._obstore import ObstoreS3Store
+
+        return ObstoreS3Store
     from lakestream._store._s3 import S3Store
 
+    return S3Store
+
+
+def test_s3_client_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LAKESTREAM_S3_CLIENT", raising=False)
+    assert s3_client() == "obstore"
+    assert type(open_store("s3://b/p")).__name__ == "ObstoreS3Store"
+    monkeypatch.setenv("LAKESTREAM_S3_CLIENT", "AioBotoCore")
+    assert type(open_store("s3://b/p")).__name__ == "S3Store"
+    monkeypatch.setenv("LAKESTREAM_S3_CLIENT", "boto3")
+    with pytest.raises(ValueError, match=r"LAKESTREAM_S3_CLIENT='boto3': expected one of obstore, aiobotocore"):
+        open_store("s3://b/p")
+    assert type(open_store("memory://")).__name__ == "MemoryStore"  # other schemes do not care
+
+
+async def test_s3_url_and_options(
+    s3_server: S3Server, s3_url: str, monkeypatch: pytest.MonkeyPatch, client: str
+) -> None:
+    S3Store = s3_store_class(client)
     s3_url = s3_server.new_bucket()  # this test looks at the whole bucket
     for name in s3_server.env():
         monkeypatch.delenv(name)
@@ -254,10 +293,13 @@ async def test_s3_url_and_options(s3_server: S3Server, s3_url: str, monkeypatch:
     async with whole_bucket:
         assert whole_bucket.url.count("/") == 2
         assert await whole_bucket.list("") == [f"{prefix}/k"]
+        assert await whole_bucket.list(prefix[:3]) == [f"{prefix}/k"]
 
 
 @pytest.mark.parametrize("key_id, secret", [("bogus", "bogus"), (None, "wrong-secret")])
-async def test_s3_bad_credentials(s3_server: S3Server, s3_url: str, key_id: str | None, secret: str) -> None:
+async def test_s3_bad_credentials(
+    s3_server: S3Server, s3_url: str, key_id: str | None, secret: str, client: str
+) -> None:
     bucket = s3_url.split("/")[2]
     creds = {"aws_access_key_id": key_id or s3_server.access_key, "aws_secret_access_key": secret}
     async with open_store(s3_url, **creds) as store:
@@ -268,7 +310,7 @@ async def test_s3_bad_credentials(s3_server: S3Server, s3_url: str, key_id: str 
             assert s3_server.endpoint_url in str(info.value) and bucket in str(info.value)
 
 
-async def test_s3_missing_bucket(s3_server: S3Server, s3_url: str) -> None:
+async def test_s3_missing_bucket(s3_server: S3Server, s3_url: str, client: str) -> None:
     url = "s3://lakestream-no-such-bucket/p"
     async with open_store(url) as store:
         calls = (
@@ -288,7 +330,7 @@ async def test_s3_missing_bucket(s3_server: S3Server, s3_url: str) -> None:
 
 
 @pytest.mark.s3
-async def test_s3_unreachable_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_s3_unreachable_endpoint(monkeypatch: pytest.MonkeyPatch, client: str) -> None:
     (port,) = free_ports(1)
     endpoint = f"http://127.0.0.1:{port}"
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
@@ -299,47 +341,199 @@ async def test_s3_unreachable_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(StoreUnavailable) as info:
             await store.get("k")
     assert time.monotonic() - start < 15
-    assert isinstance(info.value, ConnectionError)
+    assert isinstance(info.value, ConnectionError) and info.value.retried
     assert endpoint in str(info.value) and "some-bucket" in str(info.value)
 
 
-class _Captured(Exception):
-    pass
+@pytest.mark.s3
+async def test_s3_throttling_is_retried_then_reported(monkeypatch: pytest.MonkeyPatch, client: str) -> None:
+    """A server that answers every request `503 SlowDown`: each call is retried, then raises
+    StoreUnavailable naming the code; a 501 (not implemented) is not retried."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    with Answering(b"503 Slow Down", b"SlowDown") as server:
+        async with open_store("s3://b/p", endpoint_url=server.url, max_attempts=3, retry_timeout=30) as store:
+            for call in (
+                lambda: store.get("k"),
+                lambda: store.get_range("k", 0, 1),
+                lambda: store.put("k", b"v"),
+                lambda: store.put_if_absent("k", b"v"),
+                lambda: store.list(""),
+                lambda: store.delete(["k"]),
+            ):
+                before = server.requests
+                with pytest.raises(StoreUnavailable, match="SlowDown") as info:
+                    await call()
+                assert info.value.retried and "3 attempts" in str(info.value)
+                assert server.requests - before == 3
+    with Answering(b"501 Not Implemented", b"NotImplemented") as server:
+        async with open_store("s3://b/p", endpoint_url=server.url, max_attempts=3) as store:
+            with pytest.raises(StoreError, match="NotImplemented") as error:
+                await store.put("k", b"v")
+            assert not isinstance(error.value, StoreUnavailable) and server.requests == 1
+
+
+class Answering:
+    """An HTTP server on loopback that answers every request with one S3 error response."""
+
+    def __init__(self, status: bytes, code: bytes) -> None:
+        body = b"<?xml version='1.0'?><Error><Code>" + code + b"</Code><Message>no</Message></Error>"
+        self.response = b"HTTP/1.1 %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (status, len(body), body)
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.requests = 0
+        self.headers: list[bytes] = []
+
+    def __enter__(self) -> Answering:
+        threading.Thread(target=self._serve, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                head = b""
+                while b"\r\n\r\n" not in head and (chunk := conn.recv(65536)):
+                    head += chunk
+                self.headers.append(head.split(b"\r\n\r\n")[0])
+                self.requests += 1
+                with contextlib.suppress(OSError):
+                    conn.sendall(self.response)
 
 
 @pytest.mark.s3
 @pytest.mark.parametrize("op", ["put", "put_if_absent"])
-async def test_s3_an_upload_cut_off_after_its_headers_leaves_no_object(s3_url: str, op: str) -> None:
+async def test_s3_an_upload_cut_off_after_its_headers_leaves_no_object(
+    s3_server: S3Server, s3_url: str, op: str, client: str
+) -> None:
     """A producer killed (or a task cancelled) between the request's headers and its body: the
     server must not store an empty object. SeaweedFS does unless the request carries a checksum
-    it can check; every put carries `x-amz-checksum-crc32`. The request the store would send is
-    replayed by hand over a socket, headers only, then the connection is closed."""
-    import socket
-    from urllib.parse import urlsplit
-
+    it can check: every put carries `x-amz-checksum-crc32` (aiobotocore) or `-sha256` (obstore).
+    The request each client sends is caught by a stand-in server, then its headers alone are
+    sent to the real one and the connection is closed."""
+    with Answering(b"400 Bad Request", b"Caught") as catcher:
+        async with open_store(s3_url, endpoint_url=catcher.url, max_attempts=1) as store:
+            with pytest.raises(StoreError):
+                await getattr(store, op)("cut/record", b'{"kind": "commit"}' * 50)
+    (head,) = catcher.headers
+    assert re.search(rb"(?im)^x-amz-checksum-(crc32|sha256):", head)
+    head = b"\r\n".join(line for line in head.split(b"\r\n") if not line.lower().startswith(b"expect:"))
+    with socket.create_connection(("127.0.0.1", int(s3_server.endpoint_url.rsplit(":", 1)[1])), timeout=5) as s:
+        s.sendall(head + b"\r\n\r\n")
+        time.sleep(0.2)
+    await asyncio.sleep(0.5)
     async with open_store(s3_url) as store:
-        client = await store._get_client()  # type: ignore[attr-defined]
-        sent: list[tuple[str, dict[str, str]]] = []
-
-        def capture(request, **kw):  # type: ignore[no-untyped-def]
-            sent.append(
-                (request.url, {k: v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()})
-            )
-            raise _Captured
-
-        client.meta.events.register("before-send.s3.PutObject", capture)
-        with pytest.raises(_Captured):
-            await getattr(store, op)("cut/record", b'{"kind": "commit"}' * 50)
-        client.meta.events.unregister("before-send.s3.PutObject", capture)
-
-        url, headers = sent[0]
-        assert "x-amz-checksum-crc32" in {k.lower() for k in headers}
-        parts = urlsplit(url)
-        head = f"PUT {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
-        head += "".join(f"{k}: {v}\r\n" for k, v in headers.items() if k.lower() != "expect") + "\r\n"
-        with socket.create_connection((parts.hostname, parts.port), timeout=5) as s:
-            s.sendall(head.encode())
-            time.sleep(0.2)
-        await asyncio.sleep(0.5)
         with pytest.raises(ObjectNotFound):
             await store.get("cut/record")
+
+
+EXITER = """
+import asyncio, os, sys
+from lakestream._errors import StoreUnavailable
+from lakestream._store import open_store
+async def main():
+    async with open_store("s3://b/p", endpoint_url=sys.argv[1], max_attempts=1) as store:
+        try:
+            await store.get("k")
+        except StoreUnavailable:
+            pass
+statuses = []
+for _ in range(int(sys.argv[2])):
+    pid = os.fork()
+    if pid == 0:  # a child runs one call and exits as a program does: atexit, then finalization
+        asyncio.run(main())
+        sys.exit(0)
+    statuses.append(os.waitpid(pid, 0)[1])
+print(" ".join(map(str, statuses)))
+"""
+
+
+@pytest.mark.s3
+def test_a_process_that_used_the_s3_client_exits_cleanly(client: str) -> None:
+    """obstore completes calls on its own threads; one still handing a result to the event loop
+    as the interpreter finalizes used to abort the process (SIGABRT, in about one exit in ten).
+    Each of `runs` processes (forked, so lakestream is imported once) makes one call and exits."""
+    (port,) = free_ports(1)
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    aws = {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "us-east-1"}
+    env = {**os.environ, "PYTHONPATH": path, **aws}
+    runs = 30 if client == "obstore" else 3
+    args = [sys.executable, "-c", EXITER, f"http://127.0.0.1:{port}", str(runs)]
+    out = subprocess.run(args, env=env, timeout=120, check=True, capture_output=True, text=True).stdout
+    assert out.split() == ["0"] * runs
+
+
+FORKER = """
+import asyncio, os, sys
+from lakestream._errors import StoreError
+from lakestream._store import open_store
+url = sys.argv[1]
+async def round_trip(store, key):
+    await asyncio.wait_for(store.put(key, key.encode()), 20)
+    assert bytes(await asyncio.wait_for(store.get_range(key, 0, 100), 20)) == key.encode()
+async def parent():
+    store = open_store(url)
+    await round_trip(store, "parent")
+    return store
+inherited = asyncio.run(parent())
+pid = os.fork()
+if pid == 0:  # as a DataLoader worker forked from a process that read the stream
+    async def child():
+        async with open_store(url) as store:
+            await round_trip(store, "child")
+            print(type(store).__name__, flush=True)
+        try:
+            await asyncio.wait_for(inherited.get("parent"), 20)
+        except StoreError as e:
+            print("inherited:", e, flush=True)
+    asyncio.run(child())
+    sys.exit(0)
+_, status = os.waitpid(pid, 0)
+print("child exit", status, flush=True)
+"""
+
+
+def test_a_process_forked_after_obstore_was_used_opens_its_stores_on_aiobotocore(s3_url: str) -> None:
+    """obstore's calls run on threads a fork does not copy: in a forked child a call never
+    returned. A store opened there uses aiobotocore; one inherited from the parent says why it
+    cannot be used."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    env.pop("LAKESTREAM_S3_CLIENT", None)
+    proc = subprocess.run([sys.executable, "-c", FORKER, s3_url], env=env, timeout=120, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "S3Store", proc.stdout + proc.stderr[-3000:]
+    assert lines[1].startswith("inherited: ") and "forked" in lines[1] and s3_url in lines[1], lines
+    assert lines[2] == "child exit 0", proc.stdout + proc.stderr[-3000:]
+
+
+async def test_s3_credentials_and_region_from_the_aws_config_files(
+    s3_server: S3Server, s3_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, client: str
+) -> None:
+    """No keys in the environment: both clients find them in the credentials file of a profile,
+    as botocore does; with none anywhere, AccessDenied says what to set."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name)
+    (tmp_path / "credentials").write_text(
+        f"[bench]\naws_access_key_id = {s3_server.access_key}\naws_secret_access_key = {s3_server.secret_key}\n"
+    )
+    (tmp_path / "config").write_text("[profile bench]\nregion = us-east-1\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_PROFILE", "bench")
+    async with open_store(s3_url) as store:
+        await store.put("k", b"v")
+        assert bytes(await store.get_range("k", 0, 1)) == b"v"
+    monkeypatch.delenv("AWS_PROFILE")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    async with open_store(s3_url) as store:
+        with pytest.raises(AccessDenied, match="AWS_ACCESS_KEY_ID") as info:
+            await store.get("k")
+    assert s3_server.endpoint_url in str(info.value)

@@ -1,4 +1,10 @@
-"""Object stores: `file://PATH` (or a plain path), `s3://BUCKET/PREFIX`, `memory://`."""
+"""Object stores: `file://PATH` (or a plain path), `s3://BUCKET/PREFIX`, `memory://`.
+
+`s3://` has two clients: obstore (Rust's object_store, the default: it costs a third of the CPU
+per PUT and GET, docs/benchmarks.md) and aiobotocore. `LAKESTREAM_S3_CLIENT=obstore|aiobotocore`
+chooses one; both need the `s3` extra. obstore's calls run on threads of its own, which a fork
+does not copy: a process forked from one that used obstore opens its `s3://` stores on aiobotocore.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,18 @@ from ._base import ObjectStore
 from ._file import FileStore
 from ._memory import MemoryStore
 
-__all__ = ["FileStore", "MemoryStore", "ObjectStore", "open_store", "set_store_wrapper", "split_url"]
+__all__ = [
+    "S3_CLIENTS",
+    "FileStore",
+    "MemoryStore",
+    "ObjectStore",
+    "open_store",
+    "s3_client",
+    "set_store_wrapper",
+    "split_url",
+]
+
+S3_CLIENTS = ("obstore", "aiobotocore")  # the first is the default
 
 
 def split_url(url: str | os.PathLike[str]) -> tuple[str, str]:
@@ -35,7 +52,7 @@ def set_store_wrapper(wrap: Callable[[ObjectStore], ObjectStore] | None) -> None
 def open_store(url: str | os.PathLike[str], **options: object) -> ObjectStore:
     """A store for `url`. Use it as an async context manager (or call `aclose()`).
 
-    Raises ValueError for an unknown scheme; S3 needs the `s3` extra (aiobotocore).
+    Raises ValueError for an unknown scheme or `LAKESTREAM_S3_CLIENT`; S3 needs the `s3` extra.
     """
     store = _open_store(url, **options)
     return _wrapper(store) if _wrapper is not None else store
@@ -48,9 +65,24 @@ def _open_store(url: str | os.PathLike[str], **options: object) -> ObjectStore:
     if scheme == "memory":
         return MemoryStore(rest)
     if scheme == "s3":
+        client = s3_client()
         try:
+            if client == "obstore":
+                from ._obstore import ObstoreS3Store, usable
+
+                if usable():
+                    return ObstoreS3Store.from_url(rest, **options)
+                client = "aiobotocore"  # forked from a process that used obstore: its threads are not here
             from ._s3 import S3Store
         except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ImportError("s3:// URLs need the 's3' extra: pip install 'lakestream[s3]'") from e
+            raise ImportError(f"s3:// URLs need the 's3' extra ({client}): pip install 'lakestream[s3]'") from e
         return S3Store.from_url(rest, **options)
     raise ValueError(f"unsupported store URL {os.fspath(url)!r}: use file://, s3:// or memory://")
+
+
+def s3_client() -> str:
+    """The S3 client `s3://` stores use: `LAKESTREAM_S3_CLIENT`, else obstore. ValueError if unknown."""
+    name = os.environ.get("LAKESTREAM_S3_CLIENT", "").strip().lower() or S3_CLIENTS[0]
+    if name not in S3_CLIENTS:
+        raise ValueError(f"LAKESTREAM_S3_CLIENT={name!r}: expected one of {', '.join(S3_CLIENTS)}")
+    return name

@@ -5,9 +5,8 @@ Endpoint, credentials and region come from the standard AWS environment and conf
 default 'us-east-1'), each overridable by keyword. Addressing is path-style, so any S3-compatible
 server works. `put_if_absent` is a conditional PutObject (`If-None-Match: *`).
 
-Retries are ours alone (botocore's are off): throttling, 5xx, connection errors and timeouts are
-retried by `_retry.retry` with jittered exponential backoff (`S3_BACKOFF`) within `max_attempts`
-and `retry_timeout` seconds, then raise StoreUnavailable. Every botocore error becomes a Lakestream StoreError in `_error`.
+Retries are ours alone (botocore's are off), as `_s3base` describes; every botocore error becomes a
+Lakestream StoreError in `_translate`.
 """
 
 from __future__ import annotations
@@ -35,44 +34,17 @@ from botocore.exceptions import (
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
-from .._errors import AccessDenied, BucketNotFound, ObjectNotFound, StoreError, StoreUnavailable
-from .._retry import Backoff, RandomSource, retry
+from .._errors import StoreError
+from .._retry import RandomSource
+from ._s3base import DENIED_CODES, RETRY_CODES, S3_BACKOFF, S3Base, retryable_response
 
-__all__ = ["S3Store"]
+__all__ = ["S3_BACKOFF", "S3Store"]
 
 T = TypeVar("T")
 
 _TRANSIENT = (BotoConnectionError, HTTPClientError, IncompleteReadError)  # refused, timeouts, resets
-_RETRY_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "TooManyRequests",
-        "RequestLimitExceeded",
-        "RequestThrottled",
-        "ServiceUnavailable",
-        "InternalError",
-        "RequestTimeout",
-        "ConditionalRequestConflict",  # 409: a concurrent conditional write on the key is in flight
-        "OperationAborted",
-    }
-)
-_DENIED_CODES = frozenset(
-    {
-        "AccessDenied",
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "InvalidToken",
-        "ExpiredToken",
-        "TokenRefreshRequired",
-        "AllAccessDisabled",
-        "AccountProblem",
-        "InvalidSecurity",
-    }
-)
+_RETRY_CODES, _DENIED_CODES = RETRY_CODES, DENIED_CODES  # also used by `_remote`
 _BATCH = 1000  # DeleteObjects limit
-S3_BACKOFF = Backoff(first=0.1, cap=2.0, jitter=0.5)  # waits of 0.05–0.1 s, doubling to 1–2 s
 
 
 def _code_status(e: ClientError) -> tuple[str, int]:
@@ -83,8 +55,7 @@ def _code_status(e: ClientError) -> tuple[str, int]:
 
 def _retryable(e: BaseException) -> bool:
     if isinstance(e, ClientError):
-        code, status = _code_status(e)
-        return code in _RETRY_CODES or status == 429 or (status >= 500 and status != 501)
+        return retryable_response(*_code_status(e))
     return isinstance(e, _TRANSIENT)
 
 
@@ -92,7 +63,7 @@ def _retryable_botocore(e: Exception) -> bool:
     return isinstance(e, (ClientError, BotoCoreError)) and _retryable(e)
 
 
-class S3Store:
+class S3Store(S3Base):
     """An object store rooted at `s3://bucket/prefix`; keys are relative to the prefix.
 
     Keyword options: `endpoint_url`, `aws_access_key_id`, `aws_secret_access_key`,
@@ -123,14 +94,16 @@ class S3Store:
         sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
         rng: RandomSource | None = None,
     ) -> None:
-        if not bucket or "/" in bucket:
-            raise ValueError(f"invalid S3 bucket name {bucket!r}")
-        prefix = prefix.strip("/")
-        self.bucket = bucket
-        self.prefix = prefix
-        self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
-        self.requests = 0  # requests sent, retries included (for cost accounting)
-        self._root = prefix + "/" if prefix else ""
+        super().__init__(
+            bucket,
+            prefix,
+            endpoint_url=endpoint_url,
+            max_attempts=max_attempts,
+            retry_timeout=retry_timeout,
+            clock=clock,
+            sleep=sleep,
+            rng=rng,
+        )
         self._client_args: dict[str, Any] = {
             k: v
             for k, v in {
@@ -153,30 +126,9 @@ class S3Store:
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        self.max_attempts = max(1, max_attempts)
-        self.retry_timeout = retry_timeout
-        self.clock, self.sleep, self.rng = clock, sleep, rng
-        # A guess for messages until the client resolves it (botocore reads the same variables).
-        self.endpoint_url: str = (
-            endpoint_url
-            or os.environ.get("AWS_ENDPOINT_URL_S3")
-            or os.environ.get("AWS_ENDPOINT_URL")
-            or "the default AWS endpoint"
-        )
         self._client: Any = None
         self._stack = contextlib.AsyncExitStack()
         self._lock = anyio.Lock()
-
-    @classmethod
-    def from_url(cls, url: str, **options: Any) -> S3Store:
-        """A store for `s3://BUCKET[/PREFIX]`."""
-        if not url.startswith("s3://"):
-            raise ValueError(f"not an s3:// URL: {url!r}")
-        bucket, _, prefix = url[len("s3://") :].partition("/")
-        return cls(bucket, prefix, **options)
-
-    def __repr__(self) -> str:
-        return f"S3Store({self.url!r}, endpoint={self.endpoint_url!r})"
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -197,73 +149,33 @@ class S3Store:
                     self._client = client
         return self._client
 
-    def _key(self, key: str) -> str:
-        if not key or any(p in ("", ".", "..") for p in key.split("/")):
-            raise ValueError(f"{self.url}: invalid object key {key!r}")
-        return self._root + key
-
-    def _error(self, code: str, status: int, message: str, key: str | None, op: str) -> StoreError:
-        """The one translation of an S3 error response into a Lakestream error."""
-        where = f"bucket {self.bucket!r} at {self.endpoint_url}"
-        if code == "NoSuchBucket":
-            return BucketNotFound(f"{self.url}: {where} does not exist")
-        if key is not None and (code in ("NoSuchKey", "NotFound") or status == 404):
-            return ObjectNotFound(f"{self.url}: no object {key!r} (key {self._root + key!r} in {where})")
-        if code in _DENIED_CODES or status == 403:
-            return AccessDenied(
-                f"{self.url}: {where} denied {op} ({code or status}: {message}); check the credentials "
-                "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and their permissions"
-            )
-        target = f" {key!r}" if key is not None else ""
-        return StoreError(f"{self.url}: {op}{target} failed in {where}: {code or status}: {message}")
-
-    def _translate(self, e: BaseException, key: str | None, op: str, attempts: int, elapsed: float) -> StoreError:
+    def _translate(self, e: Exception, key: str | None, op: str, attempts: int, elapsed: float) -> StoreError:
+        """A botocore error as a Lakestream error."""
         if isinstance(e, ClientError):
             code, status = _code_status(e)
             if _retryable(e):
-                return StoreUnavailable(
-                    f"{self.url}: {op} kept failing in bucket {self.bucket!r} at {self.endpoint_url} "
-                    f"({attempts} attempts in {elapsed:.1f}s): {code or status}: {e}",
-                    retried=True,
-                )
+                return self._kept_failing(op, attempts, elapsed, f"{code or status}: {e}")
             return self._error(code, status, str(e.response.get("Error", {}).get("Message", e)), key, op)
         if isinstance(e, (NoCredentialsError, PartialCredentialsError)):
-            return AccessDenied(
-                f"{self.url}: no usable credentials for bucket {self.bucket!r} at {self.endpoint_url}: {e}; "
-                "set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
-            )
+            return self._no_credentials(e)
         if isinstance(e, _TRANSIENT):
-            return StoreUnavailable(
-                f"{self.url}: S3 endpoint {self.endpoint_url} unreachable for bucket {self.bucket!r} "
-                f"({attempts} attempts in {elapsed:.1f}s): {e}",
-                retried=True,
-            )
-        return StoreError(f"{self.url}: {op} failed in bucket {self.bucket!r} at {self.endpoint_url}: {e!r}")
+            return self._unreachable(attempts, elapsed, e)
+        return StoreError(f"{self.url}: {op} failed in {self._where()}: {e!r}")
 
     async def _run(self, op: str, key: str | None, attempt: Callable[[Any], Awaitable[T]]) -> T:
         """`attempt(client)` with our retries; botocore errors leave here translated."""
-        start = self.clock()
-        n = 0
 
         async def once() -> T:
-            nonlocal n
-            n += 1
-            self.requests += 1
             return await attempt(await self._get_client())
 
-        try:
-            return await retry(
-                once,
-                attempts=self.max_attempts,
-                timeout=self.retry_timeout,
-                backoff=S3_BACKOFF,
-                transient=_retryable_botocore,
-                clock=self.clock,
-                sleep=self.sleep,
-                rng=self.rng,
-            )
-        except (ClientError, BotoCoreError) as e:
-            raise self._translate(e, key, op, n, self.clock() - start) from e
+        return await self._retrying(
+            op,
+            key,
+            once,
+            transient=_retryable_botocore,
+            client_error=(ClientError, BotoCoreError),
+            translate=self._translate,
+        )
 
     # -- the protocol ----------------------------------------------------------------------------
 

@@ -1,0 +1,372 @@
+"""`s3://BUCKET/PREFIX` store on obstore (Rust's object_store; the only module that imports it).
+
+Endpoint, credentials and region come from the standard AWS environment (AWS_ENDPOINT_URL_S3,
+AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION /
+AWS_DEFAULT_REGION, default 'us-east-1'), each overridable by keyword; what the environment does not
+give is looked up as botocore does (AWS_PROFILE, the config and credentials files, SSO, instance and
+container metadata) when botocore is installed, so both S3 clients find the same account. A plain
+`http://` endpoint is allowed. Addressing is path-style, so any S3-compatible server works.
+`put_if_absent` is a conditional PUT (`If-None-Match: *`). Every PUT carries `x-amz-checksum-sha256`
+(the signature's payload hash, so it costs nothing more), which the server checks before the object
+exists: an upload cut off after its headers is never stored as an empty object.
+
+Retries are ours alone (obstore's are off), as `_s3base` describes. obstore reports an S3 error
+response as text; `_response` reads its HTTP status and S3 code out of it and `_translate` turns
+every obstore error into a Lakestream StoreError.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import obstore
+from obstore.exceptions import (
+    AlreadyExistsError,
+    BaseError,
+    PermissionDeniedError,
+    PreconditionError,
+    UnauthenticatedError,
+)
+from obstore.store import S3Store as _Client
+
+if TYPE_CHECKING:
+    from obstore.store import ClientConfig, S3Config, S3Credential
+
+from .._errors import StoreError
+from .._retry import RandomSource
+from ._s3base import S3Base, retryable_response
+
+__all__ = ["ObstoreS3Store", "usable"]
+
+T = TypeVar("T")
+
+_BATCH = 1000  # DeleteObjects limit
+_REQUEST_TIMEOUT = timedelta(minutes=10)  # a whole request; a stalled one is cut by `read_timeout`
+_STATUS = re.compile(r"status code: (\d{3})")
+_CODE = re.compile(r"<Code>([^<]*)</Code>")
+_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
+_TRANSPORT = re.compile(r"HTTP error|error sending request|timed out|connection", re.IGNORECASE)
+
+
+def _response(e: BaseException) -> tuple[str, int, str]:
+    """(S3 code, HTTP status, message) of an obstore error: ('', 0, text) if no response came back."""
+    text = str(e).split("\n\nDebug source:", 1)[0]
+    status = _STATUS.search(text)
+    code = _CODE.search(text)
+    message = _MESSAGE.search(text)
+    return (
+        code.group(1) if code else "",
+        int(status.group(1)) if status else 0,
+        message.group(1) if message else text.splitlines()[0] if text else type(e).__name__,
+    )
+
+
+def _transient(e: Exception) -> bool:
+    """Worth another attempt: throttling or a 5xx response, or no response at all (refused, reset,
+    timed out)."""
+    if not isinstance(e, BaseError):  # FileNotFoundError: a 404
+        return False
+    code, status, message = _response(e)
+    if status:
+        return retryable_response(code, status)
+    return _TRANSPORT.search(message) is not None
+
+
+class _BotocoreCredentials:
+    """obstore's credential callback over botocore's chain (profiles, SSO, metadata), which
+    refreshes temporary credentials itself; obstore asks again every few minutes."""
+
+    def __init__(self, credentials: Any) -> None:
+        self.credentials = credentials
+
+    def __call__(self) -> S3Credential:
+        frozen = self.credentials.get_frozen_credentials()
+        return {
+            "access_key_id": frozen.access_key,
+            "secret_access_key": frozen.secret_key,
+            "token": frozen.token,
+            "expires_at": datetime.now(UTC) + timedelta(minutes=5),
+        }
+
+
+_graced = False
+_started_in: int | None = None  # the process whose obstore threads run: they do not survive a fork
+
+
+def usable() -> bool:
+    """False in a process forked from one that used obstore: the threads obstore's calls run on
+    were not forked with it, so a call would never return."""
+    return _started_in is None or _started_in == os.getpid()
+
+
+def _grace_at_exit() -> None:
+    """Give obstore's threads a moment at exit. A thread that completes a call hands its result
+    to the event loop (`call_soon_threadsafe`), then waits for the GIL; if the interpreter has begun
+    to finalize by then, CPython ends the thread with pthread_exit, whose unwinding through Rust
+    frames aborts the process (SIGABRT) after the program itself finished. Sleeping in an atexit
+    callback, before finalization, lets such a thread take the GIL and return."""
+    global _graced
+    if not _graced:
+        _graced = True
+        atexit.register(time.sleep, 0.02)
+
+
+def _botocore_session() -> Any:
+    try:
+        import botocore.session
+    except ImportError:  # pragma: no cover - depends on the environment
+        return None
+    return botocore.session.get_session()
+
+
+class ObstoreS3Store(S3Base):
+    """An object store rooted at `s3://bucket/prefix`; keys are relative to the prefix.
+
+    The same keyword options as the aiobotocore `S3Store`: `endpoint_url`, `aws_access_key_id`,
+    `aws_secret_access_key`, `aws_session_token`, `region_name`, `max_pool_connections` (64 idle
+    connections kept), `connect_timeout` (5 s), `read_timeout` (60 s), `max_attempts` (50),
+    `retry_timeout` (10 s), `clock`, `sleep`, `rng`. The client is created on first use;
+    `aclose()` drops it (a later call creates a new one).
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        aws_access_key_id: str | None = None,
+        aws_secret_access_key: str | None = None,
+        aws_session_token: str | None = None,
+        region_name: str | None = None,
+        max_pool_connections: int = 64,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 60.0,
+        max_attempts: int = 50,
+        retry_timeout: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+        rng: RandomSource | None = None,
+    ) -> None:
+        super().__init__(
+            bucket,
+            prefix,
+            endpoint_url=endpoint_url,
+            max_attempts=max_attempts,
+            retry_timeout=retry_timeout,
+            clock=clock,
+            sleep=sleep,
+            rng=rng,
+        )
+        self._endpoint = endpoint_url
+        self._keys = (aws_access_key_id, aws_secret_access_key, aws_session_token)
+        self._region = region_name
+        self._client_options: ClientConfig = {
+            "connect_timeout": timedelta(seconds=connect_timeout),
+            "read_timeout": timedelta(seconds=read_timeout),
+            "timeout": _REQUEST_TIMEOUT,
+            "pool_max_idle_per_host": str(max_pool_connections),
+        }
+        self._client: Any = None
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _get_client(self) -> Any:
+        global _started_in
+        if not usable():
+            raise StoreError(
+                f"{self.url}: this store was opened in the process this one was forked from, after obstore "
+                "had started its threads there, which a fork does not copy: open the store in this process"
+            )
+        if self._client is None:
+            self._client = self._new_client()
+            _started_in = os.getpid()
+            _grace_at_exit()
+        return self._client
+
+    def _new_client(self) -> Any:
+        env = os.environ
+        session = None
+        config: S3Config = {"virtual_hosted_style_request": False, "checksum_algorithm": "sha256"}
+        endpoint = self._endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+        region = self._region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+        key_id, secret, token = self._keys
+        if not (key_id and secret) and env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+            key_id = key_id or env["AWS_ACCESS_KEY_ID"]
+            secret = secret or env["AWS_SECRET_ACCESS_KEY"]
+            token = token or env.get("AWS_SESSION_TOKEN")
+        provider = None
+        if not (endpoint and region and key_id and secret) and (session := _botocore_session()) is not None:
+            endpoint = endpoint or session.get_config_variable("endpoint_url")
+            region = region or session.get_config_variable("region")
+            if not (key_id and secret):
+                credentials = session.get_credentials()
+                if credentials is None:
+                    raise self._no_credentials("none in the environment, the AWS config files or instance metadata")
+                provider = _BotocoreCredentials(credentials)
+        config["region"] = region or "us-east-1"
+        if endpoint:  # obstore reads AWS_ENDPOINT_URL_S3 itself and prefers it to `endpoint`
+            config["endpoint"] = config["aws_endpoint_url_s3"] = endpoint
+            self.endpoint_url = endpoint
+        else:
+            self.endpoint_url = f"https://s3.{config['region']}.amazonaws.com"
+        if key_id and secret:
+            config["access_key_id"], config["secret_access_key"] = key_id, secret
+            if token:
+                config["session_token"] = token
+        options: ClientConfig = {**self._client_options, "allow_http": self.endpoint_url.startswith("http://")}
+        return _Client(
+            self.bucket,
+            config=config,
+            client_options=options,
+            retry_config={"max_retries": 0},  # retries are ours
+            credential_provider=provider,
+        )
+
+    def _translate(self, e: Exception, key: str | None, op: str, attempts: int, elapsed: float) -> StoreError:
+        """An obstore error as a Lakestream error."""
+        code, status, message = _response(e)
+        if _transient(e):
+            if status:
+                return self._kept_failing(op, attempts, elapsed, f"{code or status}: {message}")
+            return self._unreachable(attempts, elapsed, message)
+        if status or isinstance(e, FileNotFoundError):
+            return self._error(code, status or 404, message, key, op)
+        if isinstance(e, (PermissionDeniedError, UnauthenticatedError)):
+            return self._no_credentials(message)
+        return StoreError(f"{self.url}: {op} failed in {self._where()}: {message}")
+
+    async def _run(self, op: str, key: str | None, attempt: Callable[[Any], Awaitable[T]]) -> T:
+        """`attempt(client)` with our retries; obstore errors leave here translated."""
+
+        async def once() -> T:
+            return await attempt(self._get_client())
+
+        return await self._retrying(
+            op,
+            key,
+            once,
+            transient=_transient,
+            client_error=(BaseError, FileNotFoundError),
+            translate=self._translate,
+        )
+
+    # -- the protocol ----------------------------------------------------------------------------
+
+    async def get(self, key: str) -> bytes:
+        """The whole object. Raises ObjectNotFound."""
+        full = self._key(key)
+
+        async def attempt(c: Any) -> bytes:
+            result = await obstore.get_async(c, full)
+            return bytes(await result.bytes_async())
+
+        return await self._run("get", key, attempt)
+
+    async def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """`length` bytes from `offset` (fewer at the end of the object), as a read-only memoryview
+        of the buffer the response was read into (no copy). Raises ObjectNotFound."""
+        if offset < 0 or length < 0:
+            raise ValueError(f"invalid range offset={offset} length={length}")
+        full = self._key(key)
+        if length == 0:
+            return b""
+
+        async def attempt(c: Any) -> bytes:
+            try:
+                data = await obstore.get_range_async(c, full, start=offset, length=length)
+            except BaseError as e:
+                code, status, _ = _response(e)
+                if status == 416 or code == "InvalidRange":  # offset at or past the end
+                    return b""
+                raise
+            return memoryview(data)  # type: ignore[return-value]
+
+        return await self._run("get_range", key, attempt)
+
+    async def put(self, key: str, data: bytes) -> None:
+        """Create or replace the object, whole or not at all (one request, never multipart)."""
+        full = self._key(key)
+
+        async def attempt(c: Any) -> None:
+            await obstore.put_async(c, full, data, use_multipart=False)
+
+        await self._run("put", key, attempt)
+
+    async def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Conditional PUT (`If-None-Match: *`). False on 412, which after a retry may mean an
+        earlier attempt of this same call landed: the caller resolves that ambiguity."""
+        full = self._key(key)
+
+        async def attempt(c: Any) -> bool:
+            try:
+                await obstore.put_async(c, full, data, mode="create", use_multipart=False)
+            except (AlreadyExistsError, PreconditionError):
+                return False
+            return True
+
+        return await self._run("put_if_absent", key, attempt)
+
+    async def list(self, prefix: str) -> list[str]:
+        """Every key starting with `prefix`, sorted here (not every server lists in byte order)."""
+        return sorted(await self.list_sizes(prefix))
+
+    async def list_sizes(self, prefix: str) -> dict[str, int]:
+        """Every key starting with `prefix`, with its size.
+
+        obstore lists whole "directories" (a prefix ending at a '/'), so a prefix that ends
+        within a name lists its directory and keeps the keys that match. A listing that fails
+        part way is started again (keys are collected by name, so nothing is counted twice)."""
+        full = self._root + prefix
+        directory = full[: full.rfind("/") + 1]
+        cut = len(self._root)
+        keys: dict[str, int] = {}
+        pages: Any = None
+
+        async def page(c: Any) -> Sequence[Any] | None:
+            nonlocal pages
+            if pages is None:
+                pages = obstore.list(c, directory or None, chunk_size=_BATCH)
+            try:
+                return await pages.__anext__()  # type: ignore[no-any-return]
+            except StopAsyncIteration:
+                return None
+            except BaseException:
+                pages = None
+                raise
+
+        while (listed := await self._run("list", None, page)) is not None:
+            keys.update(
+                (o["path"][cut:], int(o["size"]))
+                for o in listed
+                if o["path"].startswith(full) and not o["path"].endswith("/")
+            )
+        return keys
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        """Delete the objects (DeleteObjects, 1000 a request); missing ones are ignored."""
+        full = [self._key(k) for k in keys]
+        for i in range(0, len(full), _BATCH):
+            batch = full[i : i + _BATCH]
+
+            async def attempt(c: Any) -> None:
+                await obstore.delete_async(c, batch)
+
+            await self._run("delete", None, attempt)
+
+    async def aclose(self) -> None:
+        """Drop the client and its connections. Idempotent."""
+        self._client = None
+
+    async def __aenter__(self) -> ObstoreS3Store:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

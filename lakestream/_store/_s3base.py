@@ -1,0 +1,177 @@
+"""What the two `s3://` stores share: the URL, key checks, our retries and the one translation of
+an S3 error response (its code and HTTP status) into a Lakestream error. No client is imported here.
+
+Retries are ours alone (the clients' are off): throttling, 5xx, connection errors and timeouts are
+retried by `_retry.retry` with jittered exponential backoff (`S3_BACKOFF`) within `max_attempts`
+and `retry_timeout` seconds, then raise StoreUnavailable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any, Self, TypeVar
+
+from .._errors import AccessDenied, BucketNotFound, ObjectNotFound, StoreError, StoreUnavailable
+from .._retry import Backoff, RandomSource, retry
+
+__all__ = ["DENIED_CODES", "RETRY_CODES", "S3_BACKOFF", "S3Base", "retryable_response"]
+
+T = TypeVar("T")
+
+RETRY_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "TooManyRequests",
+        "RequestLimitExceeded",
+        "RequestThrottled",
+        "ServiceUnavailable",
+        "InternalError",
+        "RequestTimeout",
+        "ConditionalRequestConflict",  # 409: a concurrent conditional write on the key is in flight
+        "OperationAborted",
+    }
+)
+DENIED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "InvalidToken",
+        "ExpiredToken",
+        "TokenRefreshRequired",
+        "AllAccessDisabled",
+        "AccountProblem",
+        "InvalidSecurity",
+    }
+)
+S3_BACKOFF = Backoff(first=0.1, cap=2.0, jitter=0.5)  # waits of 0.05–0.1 s, doubling to 1–2 s
+
+
+def retryable_response(code: str, status: int) -> bool:
+    """An S3 error response worth another attempt: throttling, a conflict in flight, a 5xx."""
+    return code in RETRY_CODES or status == 429 or (status >= 500 and status != 501)
+
+
+class S3Base:
+    """The parts of an `s3://bucket/prefix` store that do not depend on the client."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str,
+        *,
+        endpoint_url: str | None,
+        max_attempts: int,
+        retry_timeout: float,
+        clock: Callable[[], float],
+        sleep: Callable[[float], Awaitable[None]],
+        rng: RandomSource | None,
+    ) -> None:
+        if not bucket or "/" in bucket:
+            raise ValueError(f"invalid S3 bucket name {bucket!r}")
+        prefix = prefix.strip("/")
+        self.bucket = bucket
+        self.prefix = prefix
+        self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+        self.requests = 0  # requests sent, retries included (for cost accounting)
+        self._root = prefix + "/" if prefix else ""
+        self.max_attempts = max(1, max_attempts)
+        self.retry_timeout = retry_timeout
+        self.clock, self.sleep, self.rng = clock, sleep, rng
+        # A guess for messages until the client resolves it (both clients read the same variables).
+        self.endpoint_url: str = (
+            endpoint_url
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+            or "the default AWS endpoint"
+        )
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> Self:
+        """A store for `s3://BUCKET[/PREFIX]`."""
+        if not url.startswith("s3://"):
+            raise ValueError(f"not an s3:// URL: {url!r}")
+        bucket, _, prefix = url[len("s3://") :].partition("/")
+        return cls(bucket, prefix, **options)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r}, endpoint={self.endpoint_url!r})"
+
+    def _key(self, key: str) -> str:
+        if not key or any(p in ("", ".", "..") for p in key.split("/")):
+            raise ValueError(f"{self.url}: invalid object key {key!r}")
+        return self._root + key
+
+    def _where(self) -> str:
+        return f"bucket {self.bucket!r} at {self.endpoint_url}"
+
+    def _error(self, code: str, status: int, message: str, key: str | None, op: str) -> StoreError:
+        """The one translation of an S3 error response into a Lakestream error."""
+        where = self._where()
+        if code == "NoSuchBucket":
+            return BucketNotFound(f"{self.url}: {where} does not exist")
+        if key is not None and (code in ("NoSuchKey", "NotFound") or status == 404):
+            return ObjectNotFound(f"{self.url}: no object {key!r} (key {self._root + key!r} in {where})")
+        if code in DENIED_CODES or status == 403:
+            return AccessDenied(
+                f"{self.url}: {where} denied {op} ({code or status}: {message}); check the credentials "
+                "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and their permissions"
+            )
+        target = f" {key!r}" if key is not None else ""
+        return StoreError(f"{self.url}: {op}{target} failed in {where}: {code or status}: {message}")
+
+    def _kept_failing(self, op: str, attempts: int, elapsed: float, what: object) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"{self.url}: {op} kept failing in {self._where()} ({attempts} attempts in {elapsed:.1f}s): {what}",
+            retried=True,
+        )
+
+    def _no_credentials(self, what: object) -> AccessDenied:
+        return AccessDenied(
+            f"{self.url}: no usable credentials for {self._where()}: {what}; "
+            "set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+        )
+
+    def _unreachable(self, attempts: int, elapsed: float, what: object) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"{self.url}: S3 endpoint {self.endpoint_url} unreachable for bucket {self.bucket!r} "
+            f"({attempts} attempts in {elapsed:.1f}s): {what}",
+            retried=True,
+        )
+
+    async def _retrying(
+        self,
+        op: str,
+        key: str | None,
+        once: Callable[[], Awaitable[T]],
+        *,
+        transient: Callable[[Exception], bool],
+        client_error: type[Exception] | tuple[type[Exception], ...],
+        translate: Callable[[Exception, str | None, str, int, float], StoreError],
+    ) -> T:
+        """`once()` with our retries; the client's errors leave here translated by `translate`."""
+        start = self.clock()
+        n = 0
+
+        async def counted() -> T:
+            nonlocal n
+            n += 1
+            self.requests += 1
+            return await once()
+
+        try:
+            return await retry(
+                counted,
+                attempts=self.max_attempts,
+                timeout=self.retry_timeout,
+                backoff=S3_BACKOFF,
+                transient=transient,
+                clock=self.clock,
+                sleep=self.sleep,
+                rng=self.rng,
+            )
+        except client_error as e:
+            raise translate(e, key, op, n, self.clock() - start) from e
