@@ -206,8 +206,8 @@ async def test_verify_reports_a_commit_that_reuses_another_steps_segment(tmp_pat
     old = state.step(0)
     assert old is not None
     a = state.producers["a"]
-    ranks = tuple((r.offset, r.length, r.crc32, r.samples) for r in old.ranks)
-    plant(root, CommitRecord("a", a.epoch, a.seq + 1, (TgbRef(old.segment, ranks, 1),)))
+    ranks = tuple((r.offset, r.length, r.digest, r.samples) for r in old.ranks)
+    plant(root, CommitRecord("a", a.epoch, a.seq + 1, (TgbRef(old.segment, ranks, 1, checksum=old.checksum),)))
     report = await lakestream.verify(url)
     assert any(f"the segment of step {old.step} again" in p for p in report.problems), report.problems
     r = run_cli("verify", url, check=False)
