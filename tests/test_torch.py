@@ -751,3 +751,19 @@ def test_a_killed_two_worker_job_resumes_exactly(tmp_path: Path) -> None:
     assert run_trainer(url, ckpt, log) == 0, log.read_text()
     assert f"resumed after {len(killed)} steps" in log.read_text()
     assert consumed(ckpt) == reference
+
+
+def test_collate_on_a_re_sliced_step_concatenates_the_pieces(tmp_path: Path) -> None:
+    """A step stored as 2 slices, read as 1 rank: `x`, a block in both, is one tensor of both pieces."""
+    url = make_stream(tmp_path / "s", 2)
+    anyio.run(lambda: lakestream.reshape(url, world_size=1, from_step=0))
+    items = list(StreamDataset(url, rank=0, world_size=1, stop=2, collate=True))
+    for item in items:
+        want = {"step": item["step"], "keys": [], "x": [], "tokens": [], "txt": [], "json": [], "bin": [], "cls": []}
+        for rank in range(WORLD):
+            part = collated(rank, item["step"])
+            for f in want:
+                if f != "step":
+                    want[f] += list(part[f])
+        want["x"] = torch.stack(want["x"])
+        assert_same(item, want)
