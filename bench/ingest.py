@@ -26,6 +26,14 @@ sample size (4 KiB, 1 MiB, 16 MiB of os.urandom bytes, one `bin` field per sampl
 5. diagnostics (a second table): each TGB's seal-to-commit latency (`ProducerStats.ready_to_visible`)
    and the process's minor page faults per MiB the readers returned.
 
+With `--codec` it runs only the codec section instead: the checksums a segment may carry, timed on
+this machine over slice-sized buffers of random bytes (best of 5 runs), and the reader CPU per
+sample (process time, the reader's threads included, over wall-clock samples) of StreamDataset
+over a `file://` stream of array samples (one uint8 (3, 224, 224) array and a text field each, 16
+per step, world size 1; read twice, the second pass timed, so the page cache is warm), with
+`collate=True` (one tensor per step, views of the fetched slice) and `collate=False` (per-sample
+dicts of tensors, then `torch.stack`, as a trainer would).
+
 Targets (file://): reader MB/s at least 0.5x the plain-read baseline; read amplification <= 1.02.
 The verdicts are printed; nothing is tuned to meet them. The 1-minute load average is printed at
 the start and the end: figures from a machine busy with other work vary a lot.
@@ -34,6 +42,8 @@ the start and the end: figures from a machine busy with other work vary a lot.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import resource
 import shlex
 import shutil
@@ -510,6 +520,83 @@ async def main_async(a: argparse.Namespace) -> int:
     return 0
 
 
+# -- codec: checksums and reader CPU per sample with and without collate --------------------------
+
+
+def checksum_figures() -> list[list[str]]:
+    import zlib
+
+    import crc32c
+    import xxhash
+
+    rows = []
+    for size in (int(2.35e6), 147 * KiB, 64 * KiB):
+        buf = os.urandom(size)
+        reps = max(20, int(2e8 // size))
+        for name, fn in (("zlib.crc32", zlib.crc32), ("crc32c", crc32c.crc32c), ("xxh3-64", xxhash.xxh3_64_intdigest)):
+            best = math.inf
+            for _ in range(5):
+                t = time.perf_counter()
+                for _ in range(reps):
+                    fn(buf)
+                best = min(best, (time.perf_counter() - t) / reps)
+            rows.append([fmt_bytes(size), name, f"{best * 1e6:.1f}", f"{size / best / 1e9:.1f}"])
+    return rows
+
+
+def read_cpu(url: str, steps: int, collate: bool) -> float:
+    """Process CPU seconds per sample of one StreamDataset pass (after one untimed pass)."""
+    import torch
+
+    from lakestream.torch import StreamDataset
+
+    def one_pass() -> int:
+        n = 0
+        for item in StreamDataset(url, rank=0, world_size=1, stop=steps, collate=collate):
+            if collate:
+                x = item["img"]
+                n += len(item["keys"])
+            else:
+                x = torch.stack([s["img"] for s in item["samples"]])
+                n += len(item["samples"])
+            assert x.shape[1:] == (3, 224, 224)
+        return n
+
+    one_pass()
+    c0 = time.process_time()
+    n = one_pass()
+    return (time.process_time() - c0) / n
+
+
+async def codec_stream(url: str, steps: int) -> None:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    pool = [rng.integers(0, 256, (3, 224, 224), dtype=np.uint8) for _ in range(32)]
+    await lakestream.create(url, world_size=1, global_batch=16)
+    async with lakestream.open_producer(url, "p") as p:
+        for i in range(steps * 16):
+            await p.put({"img": pool[i % len(pool)], "txt": f"sample {i}"})
+
+
+def codec_main(a: argparse.Namespace) -> int:
+    print()
+    print("checksums over random bytes (best of 5):")
+    print(format_table(["buffer", "checksum", "µs", "GB/s"], checksum_figures()))
+    steps = 8 if a.smoke else 40 if a.quick else 150
+    with removing(temp_dir()) as tmp:
+        url = f"file://{tmp}/codec"
+        anyio.run(codec_stream, url, steps)
+        rows = []
+        for collate in (True, False):
+            cpu = [read_cpu(url, steps, collate) for _ in range(1 if a.smoke else 3)]
+            rows.append([f"collate={collate}", str(steps * 16), f"{median(cpu) * 1e6:.0f}", f"{min(cpu) * 1e6:.0f}"])
+    print()
+    print("StreamDataset reader CPU per sample, file:// stream, uint8 (3, 224, 224) + text, 16 per step:")
+    print(format_table(["items", "samples", "CPU µs/sample (median)", "(min)"], rows))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer samples per config and one repetition (< 1 min)")
@@ -523,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ingest-reps", type=int, help="ingest runs per config, the fastest is shown (default 2, quick 1)")
     ap.add_argument("--reps", type=int, help="at least this many read passes per rank (default 3, quick 1)")
     ap.add_argument("--min-seconds", type=float, help="at least this long reading per rank (default 0.5, quick 0.1)")
+    ap.add_argument("--codec", action="store_true", help="only the codec section: checksums, collate vs per-sample")
     a = ap.parse_args(argv)
     if a.smoke:  # whole TGBs of 256 KiB: the smallest configuration that still runs every path
         global TGB_BYTES
@@ -553,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"load average at start: {load_average()}", flush=True)
     t0 = time.perf_counter()
-    rc = anyio.run(main_async, a)
+    rc = codec_main(a) if a.codec else anyio.run(main_async, a)
     print(f"load average at end: {load_average()}; total time {time.perf_counter() - t0:.1f} s")
     return rc
 

@@ -144,7 +144,8 @@ async def open_producer(target: Target, producer_id: str, **options: Any) -> Asy
     most the open global batch plus the larger of this and one TGB: the stream's shape limits,
     global_batch x max_sample_bytes, bound the rest),
     policy (`"dac"` (default), `"eager"`, `"backoff"`, `"interval"` or a CommitPolicy instance),
-    gc_interval (seconds: also run `gc` in the background).
+    gc_interval (seconds: also run `gc` in the background),
+    checksum (of each rank slice, named in the commit: `"xxh3-64"` (default) or `"crc32"`).
     """
     async with _store_for(target) as store, Producer(store, producer_id, **options) as producer:
         yield producer

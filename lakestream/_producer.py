@@ -34,7 +34,7 @@ from ._manifest import Manifest
 from ._pacing import AttemptOutcome, CommitPolicy, Observation, make_policy
 from ._records import Record, TgbRef
 from ._retry import retry
-from ._segment import EncodedSample, dump_json, encode_sample, encode_segment
+from ._segment import CHECKSUMS, DEFAULT_CHECKSUM, EncodedSample, dump_json, encode_sample, encode_segment
 from ._state import State
 from ._store import ObjectStore
 from ._tasks import cancel_task_group, enter_task_group
@@ -92,6 +92,7 @@ class Producer:
         max_inflight_bytes: int = 256 << 20,
         policy: str | CommitPolicy | None = None,
         gc_interval: float | None = None,
+        checksum: str = DEFAULT_CHECKSUM,
         manifest: Manifest | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
@@ -104,6 +105,9 @@ class Producer:
         self._max_inflight = max_inflight_bytes
         self._policy = make_policy(policy)
         self._gc_interval = gc_interval
+        if checksum not in CHECKSUMS:
+            raise ValueError(f"checksum must be one of {', '.join(CHECKSUMS)}, not {checksum!r}")
+        self._checksum = checksum
         self._clock = clock
         self._wall = wall  # timestamps in records and segment keys
         self._token = uuid.uuid4().hex
@@ -309,12 +313,13 @@ class Producer:
         try:
             state = self.manifest.state  # sealed for the world size in force after the head; readers re-slice otherwise
             ranks = assign_ranks(tgb.costs, len(tgb.samples), state.world_at(state.head + 1))
-            data, slices = await anyio.to_thread.run_sync(encode_segment, [[tgb.samples[i] for i in r] for r in ranks])
+            parts = [[tgb.samples[i] for i in r] for r in ranks]
+            data, slices = await anyio.to_thread.run_sync(encode_segment, parts, self._checksum)
             key = segment_key(self.id, self.epoch, tgb.seq, self._wall())
             await retry(lambda: self.store.put(key, data), attempts=None, on_error=self._metrics.upload_failed)
             self._metrics.uploaded(len(data))
             ranks_ref = tuple((r[0], r[1], r[2], r[3]) for r in slices)
-            tgb.ref, tgb.samples = TgbRef(key, ranks_ref, tgb.cursor, tgb.mix, tgb.sources), []
+            tgb.ref, tgb.samples = TgbRef(key, ranks_ref, tgb.cursor, tgb.mix, tgb.sources, self._checksum), []
             self.stats.bytes_uploaded += len(data)
             self._notify()
         except Exception as e:

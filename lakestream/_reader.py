@@ -2,8 +2,9 @@
 
 A reader follows the manifest log (a GET of the next version; "not found" means "not yet"),
 polling with an interval that doubles while nothing arrives and resets when something does. For
-each step it fetches only its rank's slice with one range GET, checks the CRC-32 the commit record
-holds, and decodes it. The next `prefetch` committed steps are fetched ahead, within a byte bound.
+each step it fetches only its rank's slice with one range GET, checks the checksum the commit record
+holds, and decodes it (with `collate`, into columns: an array field stored as a block is one view
+of the fetched bytes). The next `prefetch` committed steps are fetched ahead, within a byte bound.
 """
 
 from __future__ import annotations
@@ -16,13 +17,22 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import numpy as np
 
 from . import _hooks
 from ._batching import reslice
 from ._errors import ConfigMismatch, CorruptData, ObjectNotFound, StepUnavailable
 from ._manifest import Manifest
 from ._retry import retry
-from ._segment import ChecksumMismatch, FieldRef, check_slice, decode_part, index_slice
+from ._segment import (
+    ChecksumMismatch,
+    FieldRef,
+    check_slice,
+    decode_columns,
+    decode_part,
+    expand_slice,
+    parse_slice,
+)
 from ._state import State, Step
 from ._store import ObjectStore
 from ._tasks import cancel_task_group, enter_task_group
@@ -32,7 +42,11 @@ __all__ = ["RankBatch", "RawSlice", "Reader"]
 
 @dataclass(frozen=True, slots=True)
 class RankBatch:
-    """One rank's samples of one step."""
+    """One rank's samples of one step: `samples`, or with a reader's `collate`, `columns` (and
+    `samples` empty): `{"keys": [key, …], field: array or list, …}`, where a field stored as an
+    array block (the same dtype and shape in every sample of the slice) is one `(n, *shape)`
+    numpy array, a view of the fetched slice (one copy of it, made writable), and any other field
+    a list of each sample's value (None where a sample has no such field)."""
 
     step: int
     rank: int
@@ -40,14 +54,16 @@ class RankBatch:
     version: int  # manifest version that committed the step
     producer: str
     nbytes: int  # bytes of the rank slice as stored
+    columns: dict[str, Any] | None = None
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.samples) if self.columns is None else len(self.columns["keys"])
 
 
 @dataclass(frozen=True, slots=True)
 class RawSlice:
-    """One rank's slice of one step as stored (checked), with where each field's bytes are."""
+    """One rank's slice of one step (checked), with where each field's bytes are: as stored, or
+    for a slice with array blocks, one buffer of per-sample files (each row of a block a `.npy`)."""
 
     entry: Step
     rank: int
@@ -81,6 +97,7 @@ class Reader:
         poll_interval: tuple[float, float] = (0.005, 0.5),
         verify: bool = True,
         raw: bool = False,
+        collate: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if rank is not None and (type(rank) is not int or rank < 0):
@@ -95,6 +112,9 @@ class Reader:
         self.poll_min, self.poll_max = poll_interval
         self.verify = verify
         self.raw = raw
+        self.collate = collate
+        if raw and collate:
+            raise ValueError("a reader decodes fields either raw or collated, not both")
         self.bytes_fetched = 0
         self.requests = 0
         self._fetches: dict[tuple[int, int, int], _Fetch] = {}  # see _key
@@ -284,22 +304,34 @@ class Reader:
         slice they are in (one, unless the step was reshaped to a world size it was not sealed for)."""
         assert self.rank is not None, "a reader opened with rank=None reads with fetch_raw only"
         samples: list[dict[str, Any]] = []
+        parts: list[tuple[list[str], dict[str, Any]]] = []
         nbytes = 0
-        for i, lo, hi in self.plan(entry, self.rank):
+        pieces = self.plan(entry, self.rank)
+        for i, lo, hi in pieces:
             data = await self._get_slice(entry, i)
             r, where = entry.ranks[i], self._where(entry, i)
+            digest = r.digest if self.verify else None
             try:
-                n, got = await anyio.to_thread.run_sync(
-                    lambda: decode_part(data, r.crc32 if self.verify else None, where, lo, hi, raw=self.raw)
-                )
+                if self.collate:
+                    n, keys, got_columns = await anyio.to_thread.run_sync(
+                        _columns, data, digest, entry.checksum, where, lo, hi, len(pieces) == 1
+                    )
+                    parts.append((keys, got_columns))
+                else:
+                    n, got = await anyio.to_thread.run_sync(
+                        lambda: decode_part(data, digest, where, lo, hi, raw=self.raw, kind=entry.checksum)
+                    )
+                    samples += got
             except ChecksumMismatch:
                 self._metrics.checksum_failed()
                 raise
             if n != r.samples:  # what re-slicing counts on; the checksum covers the bytes, not the manifest
                 raise CorruptData(f"{where}: the slice holds {n} samples, the manifest says {r.samples}")
-            samples += got
             nbytes += r.length
-        return RankBatch(entry.step, self.rank, samples, entry.version, entry.producer, nbytes)
+        columns: dict[str, Any] | None = None
+        if self.collate:
+            columns = {"keys": parts[0][0]} | parts[0][1] if len(parts) == 1 else _merge(parts)
+        return RankBatch(entry.step, self.rank, samples, entry.version, entry.producer, nbytes, columns)
 
     async def fetch_rank_raw(self, entry: Step, rank: int) -> RawSlice:
         """`rank`'s samples of a committed step as one checked, indexed RawSlice (see `plan`): the
@@ -337,13 +369,14 @@ class Reader:
             data = await anyio.to_thread.run_sync(bytes, data)
         where = self._where(entry, rank)
 
-        def check() -> list[FieldRef]:
+        def check() -> tuple[bytes, list[FieldRef]]:
             if self.verify:
-                check_slice(data, entry.ranks[rank].crc32, where)
-            return index_slice(data, where)
+                check_slice(data, entry.ranks[rank].digest, where, entry.checksum)
+            index = parse_slice(data, where)
+            return expand_slice(data, index) if index.blocks else (data, index.refs)  # one file per field
 
         try:
-            return RawSlice(entry, rank, data, await anyio.to_thread.run_sync(check))
+            return RawSlice(entry, rank, *await anyio.to_thread.run_sync(check))
         except ChecksumMismatch:
             self._metrics.checksum_failed()
             raise
@@ -384,3 +417,43 @@ def _samples_of(files: list[FieldRef]) -> list[list[FieldRef]]:
         else:
             groups.append([f])
     return groups
+
+
+def _columns(
+    data: Any, digest: int | None, checksum: str, where: str, lo: int, hi: int, whole: bool
+) -> tuple[int, list[str], dict[str, Any]]:
+    """`decode_columns` of a slice checked against `digest` (None: not checked). With `whole`
+    (the columns are the batch), a read-only buffer with array blocks is copied once, so that
+    the arrays handed out are writable views of that copy."""
+    index = parse_slice(data, where)
+    if whole and index.blocks and memoryview(data).readonly:
+        data = bytearray(data)
+    if digest is not None:
+        check_slice(data, digest, where, checksum)
+    n, keys, columns = decode_columns(data, where, lo, hi)
+    if "keys" in columns:
+        raise ValueError(f"{where}: a field named 'keys' cannot be collated: read with collate=False")
+    return n, keys, columns
+
+
+def _merge(parts: list[tuple[list[str], dict[str, Any]]]) -> dict[str, Any]:
+    """The columns of several pieces (a re-sliced step) as one: an array field that is one array
+    of one dtype and row shape in every piece is concatenated (its one copy), any other a list."""
+    keys = [k for ks, _ in parts for k in ks]
+    merged: dict[str, Any] = {}
+    for name in dict.fromkeys(name for _, columns in parts for name in columns):
+        got = [columns.get(name) for _, columns in parts]
+        arrays = [a for a in got if isinstance(a, np.ndarray)]
+        if len(arrays) == len(got) and len({(a.dtype, a.shape[1:]) for a in arrays}) == 1:
+            merged[name] = np.concatenate(arrays)
+            continue
+        column: list[Any] = []
+        for (ks, _), a in zip(parts, got):
+            if a is None:
+                column += [None] * len(ks)
+            elif isinstance(a, np.ndarray):
+                column += [a[j, ...].copy() for j in range(len(a))]
+            else:
+                column += a
+        merged[name] = column
+    return {"keys": keys} | merged

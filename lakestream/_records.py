@@ -21,6 +21,7 @@ import orjson
 from ._config import LIMITS, Config
 
 __all__ = [
+    "CHECKSUM_BITS",
     "CheckpointRecord",
     "CommitRecord",
     "CreateRecord",
@@ -41,6 +42,7 @@ __all__ = [
 PRODUCER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_CHECKPOINT_ID = 256
 MAX_SEGMENT_KEY = 1024
+CHECKSUM_BITS = {"crc32": 32, "xxh3-64": 64}  # the checksums a TGB's slices may have, and their widths
 
 
 class RecordError(ValueError):
@@ -75,17 +77,21 @@ class RegisterRecord:
 
 @dataclass(frozen=True, slots=True)
 class TgbRef:
-    """One TGB of a commit: its segment, each rank's (offset, length, crc32, samples), the cursor;
-    under a mixture, the version of the `mix` record it was sealed for and its samples per source."""
+    """One TGB of a commit: its segment, each rank's (offset, length, checksum, samples), the cursor;
+    under a mixture, the version of the `mix` record it was sealed for and its samples per source;
+    the checksum its slices have (`CHECKSUM_BITS`; absent from the record: `crc32`)."""
 
     segment: str
     ranks: tuple[tuple[int, int, int, int], ...]
     cursor: Any = None
     mix: int | None = None
     sources: tuple[tuple[str, int], ...] | None = None
+    checksum: str = "crc32"
 
     def to_dict(self) -> dict[str, Any]:
         d = {"segment": self.segment, "ranks": [list(r) for r in self.ranks], "cursor": self.cursor}
+        if self.checksum != "crc32":  # absent for CRC-32: records written before the member stay valid
+            d["checksum"] = self.checksum
         if self.mix is not None:  # absent outside mixtures: the format of a TGB is unchanged there
             d["mix"] = self.mix
         if self.sources is not None:
@@ -291,6 +297,8 @@ def _tgb(f: _Fields, t: Any) -> TgbRef:
             f"{f.what}: bad rank slice {rs!r:.100}",
         )
         out.append((rs[0], rs[1], rs[2], rs[3]))
+    checksum = t.get("checksum", "crc32")
+    f.need(isinstance(checksum, str) and checksum in CHECKSUM_BITS, f"{f.what}: unknown checksum {checksum!r:.40}")
     mix, sources = t.get("mix"), t.get("sources")
     f.need(mix is None or (type(mix) is int and mix > 0), f"{f.what}: bad mix version {mix!r:.40}")
     if sources is not None:
@@ -302,7 +310,7 @@ def _tgb(f: _Fields, t: Any) -> TgbRef:
             f"{f.what}: bad sources {sources!r:.100}",
         )  # fmt: skip
         sources = tuple((x[0], x[1]) for x in sources)
-    return TgbRef(t["segment"], tuple(out), t.get("cursor"), mix, sources)
+    return TgbRef(t["segment"], tuple(out), t.get("cursor"), mix, sources, checksum)
 
 
 def decode_record(data: bytes) -> Record:

@@ -1,67 +1,152 @@
 """The segment codec: samples in, bytes out, and back. No I/O.
 
 A segment holds one TGB: `[rank 0 slice][rank 1 slice]…[rank W-1 slice]`. Each rank slice is
-self-describing, so that one range GET of `(offset, length)` from the manifest is all a rank reads:
+self-describing, so that one range GET of `(offset, length)` from the manifest is all a rank reads.
+A slice of format 2 (written by default) is
 
-    b"LSR1"  u32 little-endian header length  header (JSON)  payload
+    b"LSR2"  u32 little-endian header length  header (JSON)  zeros to a multiple of 64
+    one array block per array field, each followed by zeros to a multiple of 64  payload
 
-The header is `[[key, [[field, tag, length], …]], …]`, one entry per sample in order; the payload
-is every field's bytes in the same order. `tag` says how to turn the bytes back into the value
-that was put: `b` bytes, `s` UTF-8 text, `n` a numpy array stored as `.npy`, `j` JSON. The CRC-32
-of the whole slice is kept in the manifest, so any flipped byte is detected before decoding.
+The header is `{"samples": [[key, [[field, tag, length], …]], …], "arrays": [[field, dtype,
+shape, count], …]}`. A field that is a numpy array of one dtype and shape in every sample of the
+slice is stored as one block: the samples' arrays back to back, C order, which a reader hands out
+as one `(count, *shape)` array without decoding anything (tag `a`, its length one sample's bytes).
+The payload is every other field's bytes in sample order. `tag` says how to turn the bytes back
+into the value that was put: `b` bytes, `s` UTF-8 text, `n` a numpy array stored as `.npy`, `j`
+JSON. A slice of format 1 (`b"LSR1"`, as written before) has the header `[[key, [[field, tag,
+length], …]], …]` and the payload right after it, and no blocks.
+
+The checksum of each slice (named by its commit record: `crc32`, or `xxh3-64` by default) is kept
+in the manifest, so any flipped byte is detected before decoding.
 """
 
 from __future__ import annotations
 
 import io
+import re
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import orjson
+import xxhash
 
 from ._errors import CorruptData, InvalidSample
 from ._layout import KEY_FIELD, RESERVED_KEYS
 
 __all__ = [
+    "CHECKSUMS",
+    "DEFAULT_CHECKSUM",
     "ChecksumMismatch",
     "EncodedSample",
     "FieldRef",
+    "SliceIndex",
+    "check_slice",
+    "checksum_of",
+    "decode_columns",
     "decode_part",
     "decode_slice",
     "dump_json",
     "encode_sample",
     "encode_segment",
+    "expand_slice",
     "index_slice",
+    "parse_slice",
     "validate_name",
 ]
 
-MAGIC = b"LSR1"
+MAGIC = b"LSR1"  # format 1: no array blocks
+MAGIC2 = b"LSR2"  # format 2: array blocks, 64-byte aligned
+ALIGN = 64
 _LEN = struct.Struct("<I")
+ARRAY_KINDS = frozenset("biufc")  # dtypes stored as blocks: bool, integers, floats, complex
+_DTYPE = re.compile(r"[<>|][biufc][0-9]{1,2}")
+MAX_NDIM = 32
+
+
+class _Hash(Protocol):
+    def update(self, data: Any, /) -> None: ...
+    def intdigest(self) -> int: ...
+
+
+class _Crc32:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: Any) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def intdigest(self) -> int:
+        return self.value
+
+
+CHECKSUMS: dict[str, Callable[[], _Hash]] = {"crc32": _Crc32, "xxh3-64": xxhash.xxh3_64}
+DEFAULT_CHECKSUM = "xxh3-64"  # chosen by measurement: docs/benchmarks.md
+
+
+def checksum_of(data: Any, checksum: str = "crc32") -> int:
+    """The `checksum` (`crc32` or `xxh3-64`) of a bytes-like object."""
+    if checksum == "crc32":
+        return zlib.crc32(data)
+    if checksum == "xxh3-64":
+        return xxhash.xxh3_64_intdigest(data)
+    raise ValueError(f"unknown checksum {checksum!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class EncodedSample:
     key: str
-    fields: tuple[tuple[str, str, bytes], ...]  # (field, tag, bytes)
+    fields: tuple[tuple[str, str, Any], ...]  # (field, tag, bytes), or (field, "a", a C-contiguous array)
 
     @property
     def nbytes(self) -> int:
-        return sum(len(b) for _, _, b in self.fields)
+        return sum(b.nbytes if t == "a" else len(b) for _, t, b in self.fields)
 
 
 @dataclass(frozen=True, slots=True)
 class FieldRef:
-    """Where one field's bytes are inside a rank slice."""
+    """Where one field's bytes are inside a rank slice (tag `a`: one sample's row of an array block)."""
 
     key: str
     field: str
     tag: str
     offset: int
     length: int
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One array field of every sample of a slice, stored back to back at `offset`."""
+
+    field: str
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    count: int
+    offset: int
+
+    @property
+    def row_bytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    def array(self, data: Any) -> np.ndarray[Any, Any]:
+        """The block as one `(count, *shape)` array: a view of `data`, never a copy."""
+        return np.ndarray((self.count, *self.shape), self.dtype, buffer=data, offset=self.offset)
+
+
+@dataclass(frozen=True, slots=True)
+class SliceIndex:
+    """A slice's fields, in order (each sample's adjacent), and its array blocks by field."""
+
+    refs: list[FieldRef]
+    blocks: dict[str, Block]
 
 
 def validate_name(name: object, what: str, *, allow_dot: bool) -> str:
@@ -113,7 +198,16 @@ def dump_json(value: Any, what: str) -> bytes:
     return data
 
 
-def _encode_value(key: str, name: str, value: Any) -> tuple[str, bytes]:
+def _npy(value: np.ndarray[Any, Any], what: str) -> bytes:
+    buf = io.BytesIO()
+    try:
+        np.lib.format.write_array(buf, value, allow_pickle=False)
+    except ValueError as e:
+        raise InvalidSample(f"{what}: cannot store the numpy array: {e}") from None
+    return buf.getvalue()
+
+
+def _encode_value(key: str, name: str, value: Any) -> tuple[str, Any]:
     what = f"sample {key!r} field {name!r}"
     if isinstance(value, (bytes, bytearray, memoryview)):
         return "b", bytes(value)
@@ -125,17 +219,18 @@ def _encode_value(key: str, name: str, value: Any) -> tuple[str, bytes]:
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
             raise InvalidSample(f"{what}: numpy arrays of Python objects cannot be stored (dtype {value.dtype})")
-        buf = io.BytesIO()
-        try:
-            np.lib.format.write_array(buf, value, allow_pickle=False)
-        except ValueError as e:
-            raise InvalidSample(f"{what}: cannot store the numpy array: {e}") from None
-        return "n", buf.getvalue()
+        dt = value.dtype
+        if type(value) is np.ndarray and dt.kind in ARRAY_KINDS and value.ndim <= MAX_NDIM and _DTYPE.fullmatch(dt.str):
+            return "a", np.array(value, order="C")  # a copy: the caller may reuse its array after put
+        return "n", _npy(value, what)
     return "j", dump_json(value, what)
 
 
 def encode_sample(sample: Mapping[str, Any], default_key: str, *, max_bytes: int) -> EncodedSample:
-    """Validate and encode one sample. Raises InvalidSample naming the key and field."""
+    """Validate and encode one sample. Raises InvalidSample naming the key and field.
+
+    A numpy array of a plain dtype is kept as an array (tag `a`) until its slice is encoded:
+    a block there if the field is one in every sample of the slice, else a `.npy` file."""
     if not isinstance(sample, Mapping):
         raise InvalidSample(f"a sample must be a mapping of field name to value, got {type(sample).__name__}")
     key = sample.get(KEY_FIELD, default_key)
@@ -147,7 +242,7 @@ def encode_sample(sample: Mapping[str, Any], default_key: str, *, max_bytes: int
             continue
         _check_field(key, name)
         tag, data = _encode_value(key, name, value)
-        total += len(data)
+        total += data.nbytes if tag == "a" else len(data)
         fields.append((name, tag, data))
     if not fields:
         raise InvalidSample(f"sample {key!r} has no fields")
@@ -156,61 +251,149 @@ def encode_sample(sample: Mapping[str, Any], default_key: str, *, max_bytes: int
     return EncodedSample(key, tuple(fields))
 
 
-def encode_segment(ranks: list[list[EncodedSample]]) -> tuple[bytes, list[list[int]]]:
-    """One segment for a TGB, and each rank's `[offset, length, crc32, samples]`."""
-    parts: list[bytes] = []
+def _blocks(samples: list[EncodedSample]) -> list[tuple[str, np.dtype[Any], tuple[int, ...]]]:
+    """The fields of a slice stored as array blocks: an array of one dtype and shape in every sample."""
+    if not samples:
+        return []
+    out = []
+    for name, tag, first in samples[0].fields:
+        if tag != "a":
+            continue
+        dt, shape = first.dtype, first.shape
+        for s in samples[1:]:
+            v = next((v for f, t, v in s.fields if f == name and t == "a"), None)
+            if v is None or v.dtype != dt or v.shape != shape:
+                break
+        else:
+            out.append((name, dt, shape))
+    return out
+
+
+def _pad(n: int) -> bytes:
+    return bytes(-n % ALIGN)
+
+
+def encode_segment(
+    ranks: list[list[EncodedSample]], checksum: str = DEFAULT_CHECKSUM, *, version: int = 2
+) -> tuple[bytes, list[list[int]]]:
+    """One segment for a TGB, and each rank's `[offset, length, checksum, samples]`.
+
+    `checksum`: `xxh3-64` or `crc32` (what the commit record names). `version`: the slice format,
+    2 (array blocks) or 1 (every array a `.npy` file, as written before format 2)."""
+    new = CHECKSUMS[checksum]
+    parts: list[Any] = []
     slices = []
     offset = 0
     for samples in ranks:
-        header = orjson.dumps([[s.key, [[f, t, len(b)] for f, t, b in s.fields]] for s in samples])
-        head = MAGIC + _LEN.pack(len(header)) + header
-        crc = zlib.crc32(head)
-        length = len(head)
-        parts.append(head)
+        h = new()
+        blocks = _blocks(samples) if version == 2 else []
+        in_block = {name for name, _, _ in blocks}
+        entries = []
+        payload: list[Any] = []
         for s in samples:
-            for _, _, b in s.fields:
-                crc = zlib.crc32(b, crc)
-                length += len(b)
-                parts.append(b)
-        slices.append([offset, length, crc, len(samples)])
+            fields = []
+            for f, t, b in s.fields:
+                if f in in_block:
+                    fields.append([f, "a", b.nbytes])
+                    continue
+                if t == "a":
+                    t, b = "n", _npy(b, f"sample {s.key!r} field {f!r}")
+                fields.append([f, t, len(b)])
+                payload.append(b)
+            entries.append([s.key, fields])
+        if version == 1:
+            header = orjson.dumps(entries)
+            body = [MAGIC + _LEN.pack(len(header)) + header]
+        else:
+            arrays = [[name, dt.str, list(shape), len(samples)] for name, dt, shape in blocks]
+            header = orjson.dumps({"samples": entries, "arrays": arrays})
+            head = MAGIC2 + _LEN.pack(len(header)) + header
+            body = [head + _pad(len(head))]
+            pos = len(body[0])
+            for name, _, _ in blocks:
+                for s in samples:
+                    a = next(v for f, t, v in s.fields if f == name)
+                    body.append(a.reshape(-1).view(np.uint8))
+                    pos += a.nbytes
+                if pos % ALIGN:
+                    body.append(_pad(pos))
+                    pos += len(body[-1])
+        body += payload
+        length = 0
+        for b in body:
+            h.update(b)
+            length += len(b)
+        parts += body
+        slices.append([offset, length, h.intdigest(), len(samples)])
         offset += length
     return b"".join(parts), slices
 
 
 class ChecksumMismatch(CorruptData):
-    """A slice's bytes do not have the CRC-32 its commit record holds (a CorruptData)."""
+    """A slice's bytes do not have the checksum its commit record holds (a CorruptData)."""
 
 
-def check_slice(data: bytes | memoryview, crc32: int, where: str) -> None:
-    """Raise ChecksumMismatch (naming `where`) unless `data` has the expected CRC-32."""
-    got = zlib.crc32(data)
-    if got != crc32:
-        raise ChecksumMismatch(f"{where}: checksum mismatch (crc32 {got:#010x}, expected {crc32:#010x})")
+def check_slice(data: Any, expected: int, where: str, checksum: str = "crc32") -> None:
+    """Raise ChecksumMismatch (naming `where`) unless `data` has the expected `checksum`."""
+    got = checksum_of(data, checksum)
+    if got != expected:
+        width = 10 if checksum == "crc32" else 18
+        raise ChecksumMismatch(
+            f"{where}: checksum mismatch ({checksum} {got:#0{width}x}, expected {expected:#0{width}x})"
+        )
 
 
 TAGS = frozenset("bsnj")
 
 
-def index_slice(data: bytes | memoryview, where: str = "rank slice") -> list[FieldRef]:
-    """Every field of a slice with its (offset, length) in the slice. Raises CorruptData.
+def index_slice(data: Any, where: str = "rank slice") -> list[FieldRef]:
+    """Every field of a slice with its (offset, length) in the slice (see `parse_slice`)."""
+    return parse_slice(data, where).refs
+
+
+def parse_slice(data: Any, where: str = "rank slice") -> SliceIndex:
+    """Every field of a slice with its (offset, length) in the slice, and its array blocks.
+    Raises CorruptData.
 
     The header is untrusted: every key and field name passes the same rules as on put (so a name
     can never become a path outside a directory), keys are unique in the slice and fields in
-    their sample, tags are known, and the lengths add up to the payload exactly.
+    their sample, tags are known, blocks hold one row per sample inside the slice, and the
+    lengths add up to the payload exactly.
     """
     try:
-        if len(data) < 8 or bytes(data[:4]) != MAGIC:
+        magic = bytes(data[:4])
+        if len(data) < 8 or magic not in (MAGIC, MAGIC2):
             raise ValueError("bad magic")
         (hlen,) = _LEN.unpack_from(data, 4)
         if 8 + hlen > len(data):
             raise ValueError(f"header of {hlen} bytes runs past the slice's {len(data)} bytes")
         header = orjson.loads(bytes(data[8 : 8 + hlen]))
-        if not isinstance(header, list):
-            raise ValueError("header is not a list")
         pos = 8 + hlen
+        blocks: dict[str, Block] = {}
+        if magic == MAGIC2:
+            if not (isinstance(header, dict) and header.keys() == {"samples", "arrays"}):
+                raise ValueError("header is not an object of samples and arrays")
+            entries, arrays = header["samples"], header["arrays"]
+            if not (isinstance(entries, list) and isinstance(arrays, list)):
+                raise ValueError("header samples or arrays is not a list")
+            for a in arrays:
+                pos = _skip_pad(data, pos)
+                b = _block(a, len(entries), pos)
+                if b.field in blocks:
+                    raise ValueError(f"array field {b.field!r} appears twice")
+                pos += b.count * b.row_bytes
+                if pos > len(data):
+                    raise ValueError(f"array field {b.field!r} runs past the slice's {len(data)} bytes")
+                blocks[b.field] = b
+            pos = _skip_pad(data, pos)
+        else:
+            entries = header
+            if not isinstance(entries, list):
+                raise ValueError("header is not a list")
+        start = pos
         refs = []
         keys: set[str] = set()
-        for entry in header:
+        for i, entry in enumerate(entries):
             if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list) and entry[1]):
                 raise ValueError(f"bad sample entry {entry!r:.80}")
             key, fields = entry
@@ -227,15 +410,47 @@ def index_slice(data: bytes | memoryview, where: str = "rank slice") -> list[Fie
                 if name in names:
                     raise ValueError(f"sample {key!r}: field {name!r} appears twice")
                 names.add(name)
-                if tag not in TAGS or type(length) is not int or not 0 <= length <= len(data) - pos:
+                blk = blocks.get(name)
+                if tag == "a" and blk is not None and type(length) is int and length == blk.row_bytes:
+                    refs.append(FieldRef(key, name, tag, blk.offset + i * length, length))
+                    continue
+                if tag not in TAGS or blk is not None or type(length) is not int or not 0 <= length <= len(data) - pos:
                     raise ValueError(f"sample {key!r} field {name!r}: bad tag {tag!r} or length {length!r}")
                 refs.append(FieldRef(key, name, tag, pos, length))
                 pos += length
+            if len(names & blocks.keys()) != len(blocks):
+                raise ValueError(f"sample {key!r} lacks array field(s) {sorted(blocks.keys() - names)!r:.80}")
         if pos != len(data):
-            raise ValueError(f"payload is {len(data) - 8 - hlen} bytes, header says {pos - 8 - hlen}")
-        return refs
+            raise ValueError(f"payload is {len(data) - start} bytes, header says {pos - start}")
+        return SliceIndex(refs, blocks)
     except (ValueError, TypeError, struct.error, InvalidSample) as e:
         raise CorruptData(f"{where}: malformed slice: {e}") from None
+
+
+def _skip_pad(data: Any, pos: int) -> int:
+    end = pos + (-pos % ALIGN)
+    if end > len(data) or any(data[pos:end]):
+        raise ValueError(f"no zero padding to a multiple of {ALIGN} at {pos}")
+    return end
+
+
+def _block(a: Any, count: int, offset: int) -> Block:
+    if not (isinstance(a, list) and len(a) == 4):
+        raise ValueError(f"bad array entry {a!r:.80}")
+    name, dtype, shape, n = a
+    if not (isinstance(name, str) and isinstance(dtype, str) and _DTYPE.fullmatch(dtype)):
+        raise ValueError(f"bad array entry {a!r:.80}")
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"array field {name!r}: bad dtype {dtype!r}") from None
+    if dt.str != dtype or dt.kind not in ARRAY_KINDS:
+        raise ValueError(f"array field {name!r}: bad dtype {dtype!r}")
+    if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(type(d) is int and d >= 0 for d in shape)):
+        raise ValueError(f"array field {name!r}: bad shape {shape!r:.80}")
+    if n != count or type(n) is not int:
+        raise ValueError(f"array field {name!r}: {n!r:.20} rows for {count} samples")
+    return Block(name, dt, tuple(shape), count, offset)
 
 
 def _check_key(key: object) -> None:
@@ -263,38 +478,57 @@ def decode_value(tag: str, raw: bytes) -> Any:
     raise ValueError(f"unknown field tag {tag!r}")
 
 
+def npy_header(dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
+    """The header `np.save` writes before a C-order array of this dtype and shape."""
+    d = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
+    buf = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(buf, d)
+    except ValueError:  # too long for a version 1.0 header
+        buf = io.BytesIO()
+        np.lib.format.write_array_header_2_0(buf, d)
+    return buf.getvalue()
+
+
 def decode_slice(
-    data: bytes, crc32: int | None = None, where: str = "rank slice", *, raw: bool = False
+    data: Any, checksum: int | None = None, where: str = "rank slice", *, raw: bool = False, kind: str = "crc32"
 ) -> list[dict[str, Any]]:
     """The samples of one rank slice, each a dict with `__key__` and its fields as put
-    (with `raw`, each field's stored bytes: what the mount shows as a file).
+    (with `raw`, each field's bytes as the mount shows them as a file: an array of a block as
+    a `.npy` file).
 
-    Raises CorruptData naming `where` (and the sample key, when one is at fault).
+    `checksum` (None: not checked) is the slice's checksum of `kind`. Raises CorruptData naming
+    `where` (and the sample key, when one is at fault).
     """
-    return decode_part(data, crc32, where, raw=raw)[1]
+    return decode_part(data, checksum, where, raw=raw, kind=kind)[1]
 
 
 def decode_part(
-    data: bytes,
-    crc32: int | None = None,
+    data: Any,
+    checksum: int | None = None,
     where: str = "rank slice",
     lo: int = 0,
     hi: int | None = None,
     *,
     raw: bool = False,
+    kind: str = "crc32",
 ) -> tuple[int, list[dict[str, Any]]]:
     """(the number of samples in the slice, its samples lo..hi decoded as by `decode_slice`).
 
     The whole slice is checked (checksum, header, names) and counted; only the samples kept are
-    copied and decoded, which is what a rank reading part of a re-sliced TGB needs.
+    copied and decoded, which is what a rank reading part of a re-sliced TGB needs. An array of
+    a block is a copy of its row (writable, independent of `data`).
     """  # fmt: skip
-    if crc32 is not None:
-        check_slice(data, crc32, where)
+    if checksum is not None:
+        check_slice(data, checksum, where, kind)
     view = memoryview(data)
+    index = parse_slice(view, where)
+    arrays = {name: b.array(view) for name, b in index.blocks.items()}
+    headers = {name: npy_header(b.dtype, b.shape) for name, b in index.blocks.items()} if raw else {}
     samples: list[dict[str, Any]] = []
     n, current = 0, None
     sample: dict[str, Any] | None = None
-    for ref in index_slice(view, where):  # a sample's fields are adjacent and keys unique
+    for ref in index.refs:  # a sample's fields are adjacent and keys unique
         if ref.key != current:
             current, n = ref.key, n + 1
             sample = {KEY_FIELD: ref.key} if lo < n and (hi is None or n <= hi) else None
@@ -302,9 +536,71 @@ def decode_part(
                 samples.append(sample)
         if sample is None:
             continue
+        if ref.tag == "a":
+            row = view[ref.offset : ref.offset + ref.length]
+            sample[ref.field] = headers[ref.field] + row if raw else arrays[ref.field][n - 1, ...].copy()
+            continue
         try:
             value = bytes(view[ref.offset : ref.offset + ref.length])
             sample[ref.field] = value if raw else decode_value(ref.tag, value)
         except (ValueError, TypeError) as e:
             raise CorruptData(f"{where} key {ref.key!r} field {ref.field!r}: {e}") from None
     return n, samples
+
+
+def decode_columns(
+    data: Any, where: str = "rank slice", lo: int = 0, hi: int | None = None
+) -> tuple[int, list[str], dict[str, Any]]:
+    """(the number of samples in the slice, the keys of samples lo..hi, their fields as columns).
+
+    A field stored as an array block is one `(hi - lo, *shape)` array, a view of `data` (writable
+    if `data` is); any other field is a list with each sample's value (None where a sample has
+    no such field). Columns are in the order fields first appear. The checksum is not checked
+    here (see `check_slice`). Raises CorruptData naming `where`.
+    """
+    view = memoryview(data)
+    index = parse_slice(view, where)
+    keys: list[str] = []
+    values: dict[str, dict[int, Any]] = {}  # field -> {position in keys: value}
+    n, current, keep = 0, None, False
+    for ref in index.refs:
+        if ref.key != current:
+            current, n = ref.key, n + 1
+            keep = lo < n and (hi is None or n <= hi)
+            if keep:
+                keys.append(ref.key)
+        if not keep or ref.tag == "a":
+            continue
+        try:
+            value = decode_value(ref.tag, bytes(view[ref.offset : ref.offset + ref.length]))
+        except (ValueError, TypeError) as e:
+            raise CorruptData(f"{where} key {ref.key!r} field {ref.field!r}: {e}") from None
+        values.setdefault(ref.field, {})[len(keys) - 1] = value
+    columns: dict[str, Any] = {}
+    for name in dict.fromkeys(ref.field for ref in index.refs):
+        if name in index.blocks:
+            columns[name] = index.blocks[name].array(view)[lo : lo + len(keys)]
+        elif name in values:
+            columns[name] = [values[name].get(i) for i in range(len(keys))]
+    return n, keys, columns
+
+
+def expand_slice(data: Any, index: SliceIndex) -> tuple[bytes, list[FieldRef]]:
+    """A slice with array blocks as one buffer of per-sample files (what the mount serves): each
+    row of a block becomes a `.npy` file (tag `n`), every other field's bytes are kept as they are."""
+    view = memoryview(data)
+    headers = {name: npy_header(b.dtype, b.shape) for name, b in index.blocks.items()}
+    parts: list[Any] = []
+    refs = []
+    pos = 0
+    for ref in index.refs:
+        row = view[ref.offset : ref.offset + ref.length]
+        if ref.tag == "a":
+            parts.append(headers[ref.field])
+            refs.append(FieldRef(ref.key, ref.field, "n", pos, len(headers[ref.field]) + ref.length))
+            pos += len(headers[ref.field])
+        else:
+            refs.append(FieldRef(ref.key, ref.field, ref.tag, pos, ref.length))
+        parts.append(row)
+        pos += ref.length
+    return b"".join(parts), refs

@@ -47,6 +47,7 @@ from ._batching import mix_counts
 from ._config import FORMAT_VERSION, LIMITS, Config
 from ._layout import segment_prefix
 from ._records import (
+    CHECKSUM_BITS,
     PRODUCER_ID,
     CheckpointRecord,
     CommitRecord,
@@ -81,7 +82,7 @@ class RankSlice:
 
     offset: int
     length: int
-    crc32: int
+    digest: int  # the slice's checksum (of the kind its Step names)
     samples: int
 
 
@@ -98,6 +99,7 @@ class Step:
     ranks: tuple[RankSlice, ...]
     cursor: Any
     ts: float
+    checksum: str = "crc32"  # what `RankSlice.digest` is: `crc32` or `xxh3-64`
 
     @property
     def samples(self) -> int:
@@ -108,15 +110,17 @@ class Step:
         return sum(r.length for r in self.ranks)
 
     def to_list(self) -> list[Any]:
+        """The snapshot's entry: 9 items, and the checksum as a 10th unless it is `crc32`."""
         return [
             self.step, self.version, self.segment, self.producer, self.epoch, self.seq,
-            [[r.offset, r.length, r.crc32, r.samples] for r in self.ranks], self.cursor, self.ts,
-        ]  # fmt: skip
+            [[r.offset, r.length, r.digest, r.samples] for r in self.ranks], self.cursor, self.ts,
+        ] + ([self.checksum] if self.checksum != "crc32" else [])  # fmt: skip
 
     @classmethod
     def from_list(cls, v: list[Any]) -> Step:
-        step, version, segment, producer, epoch, seq, ranks, cursor, ts = v
-        return cls(step, version, segment, producer, epoch, seq, tuple(RankSlice(*r) for r in ranks), cursor, ts)
+        step, version, segment, producer, epoch, seq, ranks, cursor, ts, *checksum = v
+        return cls(step, version, segment, producer, epoch, seq, tuple(RankSlice(*r) for r in ranks), cursor, ts,
+                   *checksum)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -315,12 +319,13 @@ class State:
             # another world size is re-sliced on read (`_batching.reslice`).
             _need(len(t.ranks) <= LIMITS["world_size"][1], f"commit {pid}: {len(t.ranks)} rank slices")
             # Slices tile the segment from offset 0 in rank order (as the codec writes them), hold at
-            # most a global batch, and have 32-bit checksums: whatever reads them may rely on it.
+            # most a global batch, and have checksums of their width: whatever reads them may rely on it.
             end = samples = 0
             batch = self.batch_at(self.head + 1 + i)
+            bits = CHECKSUM_BITS[t.checksum]
             for rs in t.ranks:
                 offset, length, crc, n = rs
-                _need(offset == end and length < 1 << 62 and crc < 1 << 32,
+                _need(offset == end and length < 1 << 62 and crc < 1 << bits,
                       f"commit {pid}: rank slice {list(rs)!r} does not follow the previous one at {end}")  # fmt: skip
                 end += length
                 samples += n
@@ -363,6 +368,7 @@ class State:
                         ranks=tuple(RankSlice(*x) for x in t.ranks),
                         cursor=t.cursor,
                         ts=r.ts,
+                        checksum=t.checksum,
                     )  # fmt: skip
                 )
                 p.cursor = t.cursor
@@ -507,9 +513,9 @@ class State:
                 and p.cursor == r.tgbs[-1].cursor and p.lost == r.lost
                 and (n == len(self.steps) or self.steps[-n - 1].version < v)
                 and all(
-                    (s.version, s.producer, s.epoch, s.seq, s.segment, s.ts, s.cursor)
-                    == (v, r.producer, r.epoch, r.seq + i, t.segment, r.ts, t.cursor)
-                    and tuple((x.offset, x.length, x.crc32, x.samples) for x in s.ranks) == t.ranks
+                    (s.version, s.producer, s.epoch, s.seq, s.segment, s.ts, s.cursor, s.checksum)
+                    == (v, r.producer, r.epoch, r.seq + i, t.segment, r.ts, t.cursor, t.checksum)
+                    and tuple((x.offset, x.length, x.digest, x.samples) for x in s.ranks) == t.ranks
                     for i, (s, t) in enumerate(zip(tail, r.tgbs, strict=True))
                 )
             )  # fmt: skip
@@ -584,9 +590,13 @@ def _state_from_dict(d: dict[str, Any]) -> State:
     last_version, world = 1, LIMITS["world_size"][1]
     for i, raw in enumerate(d["steps"]):
         n = first + i
-        if not (isinstance(raw, list) and len(raw) == 9):
-            raise _bad(f"step {n}: {raw!r:.200} is not a 9-item list")
-        step, sv, segment, pid, epoch, seq, ranks, cursor, ts = raw
+        if not (isinstance(raw, list) and len(raw) in (9, 10)):
+            raise _bad(f"step {n}: {raw!r:.200} is not a 9- or 10-item list")
+        step, sv, segment, pid, epoch, seq, ranks, cursor, ts, *rest = raw
+        checksum = rest[0] if rest else "crc32"
+        if rest and not (isinstance(checksum, str) and checksum in CHECKSUM_BITS and checksum != "crc32"):
+            raise _bad(f"step {n}: unknown checksum {checksum!r:.40}")
+        bits = CHECKSUM_BITS[checksum]
         if not (type(step) is int and step == n):
             raise _bad(f"entry {i} is step {step!r:.40}, not {n}: steps are contiguous from first_step {first}")
         if not (_int(sv) and last_version <= sv <= version):
@@ -615,7 +625,7 @@ def _state_from_dict(d: dict[str, Any]) -> State:
             off, length, crc, k = rs
             if not (
                 type(off) is int and type(length) is int and type(crc) is int and type(k) is int
-                and off == end and length >= 0 and 0 <= crc < 1 << 32 and k >= 0
+                and off == end and length >= 0 and 0 <= crc < 1 << bits and k >= 0
             ):  # fmt: skip
                 raise _bad(f"step {n}: bad rank slice {rs!r:.100} (slices tile the segment from offset 0)")
             end += length
@@ -624,7 +634,7 @@ def _state_from_dict(d: dict[str, Any]) -> State:
         if not 0 < samples <= batch_at(n):
             raise _bad(f"step {n}: {samples} samples (global batch {batch_at(n)})")
         last_seq[pid], last_version = seq, sv
-        steps.append(Step(n, sv, segment, pid, epoch, seq, tuple(slices), cursor, ts))
+        steps.append(Step(n, sv, segment, pid, epoch, seq, tuple(slices), cursor, ts, checksum))
     head = first + len(steps) - 1
 
     checkpoints: list[Checkpoint] = []

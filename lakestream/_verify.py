@@ -75,7 +75,7 @@ async def _check_step(
             continue
         view = memoryview(data)[r.offset : offset]
         try:
-            check_slice(view, r.crc32, at)
+            check_slice(view, r.digest, at, s.checksum)
             refs = index_slice(view, at)  # every name checked as on put
         except CorruptData as e:
             report.problems.append(str(e))

@@ -123,7 +123,7 @@ if prom is not None:
         "Seconds the consumer waited for its next batch (from asking to getting it)", SR, buckets=STALL_BUCKETS,
     )  # fmt: skip
     R_BYTES = C("lakestream_reader_bytes_fetched", "Bytes of rank slices fetched from the store", SR)
-    R_CRC = C("lakestream_reader_checksum_failures", "Slices whose bytes failed the CRC-32 of their commit", SR)
+    R_CRC = C("lakestream_reader_checksum_failures", "Slices whose bytes failed the checksum of their commit", SR)
     M_HITS = C("lakestream_mount_cache_hits", "Slice requests served from the mount's cache (or a fetch under way)", SR)
     M_MISSES = C("lakestream_mount_cache_misses", "Slice requests that fetched from the store", SR)
     M_FETCH = H(

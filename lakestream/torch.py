@@ -17,6 +17,14 @@ fields as put, except that numpy arrays become torch tensors (`torch.from_numpy`
 torch has no tensor type for stay numpy arrays). `stop` (exclusive) ends the iteration; without it
 the dataset follows the stream, waiting for steps not committed yet.
 
+With `collate=True` an item is the step's samples as columns: `{"step": int, "keys": [key, ...],
+field: tensor or list, ...}`. A field that is a numpy array of one dtype and shape in every sample
+of the rank slice is one tensor of shape `(n, *shape)`, in sample order; any other field a list of
+each sample's value (arrays as tensors; None where a sample has no such field). StreamDataset's
+tensors are views of one copy of the fetched slice (the producer stored such a field as one block);
+MountDataset reads each sample's file straight into the tensor. A field named `step` or `keys`
+cannot be collated (ValueError).
+
 `state_dict()` is `{"next_step": n}`, the step after the last one yielded; each new iterator starts
 at `state_dict()["next_step"]` (the `start` option at first), so iterating again continues the
 stream, and `load_state_dict()` sets where the next iterator starts.
@@ -143,6 +151,21 @@ def to_tensor(a: np.ndarray) -> torch.Tensor | np.ndarray:
 
 def _convert(sample: dict[str, Any]) -> dict[str, Any]:
     return {k: to_tensor(v) if isinstance(v, np.ndarray) else v for k, v in sample.items()}
+
+
+def _collated(step: int, columns: dict[str, Any]) -> dict[str, Any]:
+    """The item of a step read as columns: arrays as tensors (no copy), lists' arrays as tensors."""
+    item: dict[str, Any] = {"step": step}
+    for name, column in columns.items():
+        if name == "step":
+            raise ValueError(f"step {step}: a field named 'step' cannot be collated: use collate=False")
+        if isinstance(column, np.ndarray):
+            item[name] = to_tensor(column)
+        elif name == "keys":
+            item[name] = column
+        else:
+            item[name] = [to_tensor(v) if isinstance(v, np.ndarray) else v for v in column]
+    return item
 
 
 def decode_file(name: str, data: bytes, tag: str | None = None) -> Any:
@@ -294,6 +317,8 @@ class _StreamIterator(Iterator[dict[str, Any]]):
         if stop is not None and start >= stop:
             return
         options = {"prefetch": dataset.prefetch, **dataset.reader_options}
+        if dataset.collate:
+            options["collate"] = True
         try:
             self._source = _Source(dataset.url, dataset.rank, dataset.world_size, start, stop, self._stride, options)
         except lakestream.ConfigMismatch as e:
@@ -316,6 +341,8 @@ class _StreamIterator(Iterator[dict[str, Any]]):
             self.close()
             raise StopIteration
         self._dataset._next_step = batch.step + self._stride
+        if batch.columns is not None:
+            return _collated(batch.step, batch.columns)
         return {"step": batch.step, "samples": [_convert(s) for s in batch.samples]}
 
     def close(self) -> None:
@@ -412,7 +439,8 @@ class _Resumable:
 
 
 class StreamDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignore[type-arg]
-    """This rank's slice of every step of a stream: one item `{"step", "samples"}` per step.
+    """This rank's slice of every step of a stream: one item `{"step", "samples"}` per step (with
+    `collate`, `{"step", "keys", field: tensor or list, …}`: see the module docstring).
 
     `rank`/`world_size`: see `resolve_rank` (explicit, else torch.distributed, else torchrun's
     environment, else rank 0 of 1), resolved when the dataset is created (so create it after
@@ -437,10 +465,12 @@ class StreamDataset(_Resumable, torch.utils.data.IterableDataset):  # type: igno
         stop: int | None = None,
         prefetch: int = 4,
         reader_options: dict[str, Any] | None = None,
+        collate: bool = False,
     ) -> None:
         super().__init__()
         _check_steps(start, stop)
         self.url = os.fspath(url)
+        self.collate = collate
         self.rank, self.world_size, self._rank_defaulted = _resolve_rank(rank, world_size)
         self.start = start
         self.stop = stop
@@ -475,10 +505,13 @@ class _MountIterator(Iterator[dict[str, Any]]):
         if stop is not None and self._step >= stop:
             raise StopIteration
         step = self._step
-        samples = self._dataset.read_step(step)
+        if self._dataset.collate:
+            item = _collated(step, self._dataset.read_columns(step))
+        else:
+            item = {"step": step, "samples": self._dataset.read_step(step)}
         self._step += self._stride
         self._dataset._next_step = self._step
-        return {"step": step, "samples": samples}
+        return item
 
 
 class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignore[type-arg]
@@ -488,7 +521,8 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
     be committed, up to its `--wait`; after that this retries until `timeout`, None: forever),
     reads `_meta.json` for the keys and files in put order, and decodes every `<key>.<field>` file
     with `decode_file` (exact with `_meta.json`'s "types", else guessed from the extension).
-    Options and `state_dict` semantics as for `StreamDataset`.
+    With `collate`, a field whose files are `.npy` of one dtype and shape for every sample is read
+    straight into one array (`read_columns`). Options and `state_dict` semantics as for `StreamDataset`.
     """
 
     def __init__(
@@ -501,10 +535,12 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
         stop: int | None = None,
         timeout: float | None = None,
         retry_interval: float = 0.1,
+        collate: bool = False,
     ) -> None:
         super().__init__()
         _check_steps(start, stop)
         self.mountpoint = os.fspath(mountpoint)
+        self.collate = collate
         self.rank, self.world_size, self._rank_defaulted = _resolve_rank(rank, world_size)
         self.start = start
         self.stop = stop
@@ -542,6 +578,48 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
 
     def read_step(self, step: int) -> list[dict[str, Any]]:
         """This rank's samples of `step`, waiting for it to be committed."""
+        d, meta = self._open_step(step)
+        types: dict[str, str] = meta.get("types") or {}
+        by_key: dict[str, dict[str, Any]] = {key: {"__key__": key} for key in meta["keys"]}
+        for name in meta["files"]:
+            key, _, field = name.partition(".")
+            with open(os.path.join(d, name), "rb") as f:
+                data = f.read()
+            by_key[key][field] = decode_file(name, data, types.get(name))
+        return list(by_key.values())
+
+    def read_columns(self, step: int) -> dict[str, Any]:
+        """This rank's samples of `step` as columns, waiting for it to be committed: `{"keys": [...],
+        field: numpy array or list, ...}` (see the module docstring), each array read from the
+        files straight into one `(n, *shape)` array."""
+        d, meta = self._open_step(step)
+        types: dict[str, str] = meta.get("types") or {}
+        keys: list[str] = meta["keys"]
+        files: dict[str, dict[str, str]] = {}  # field -> key -> file name, fields in put order
+        for name in meta["files"]:
+            key, _, field = name.partition(".")
+            files.setdefault(field, {})[key] = name
+        columns: dict[str, Any] = {"keys": keys}
+        for field, names in files.items():
+            if field == "keys":
+                raise ValueError(f"{d}: a field named 'keys' cannot be collated: use collate=False")
+            column: Any = None
+            if len(names) == len(keys) and all(types.get(n) == "n" for n in names.values()):
+                column = _read_npy_column([os.path.join(d, names[k]) for k in keys])
+            if column is None:
+                column = []
+                for key in keys:
+                    name = names.get(key)
+                    if name is None:
+                        column.append(None)
+                        continue
+                    with open(os.path.join(d, name), "rb") as f:
+                        column.append(_numpy(decode_file(name, f.read(), types.get(name))))
+            columns[field] = column
+        return columns
+
+    def _open_step(self, step: int) -> tuple[str, dict[str, Any]]:
+        """The directory of `step` and its `_meta.json`, waiting for it to be committed."""
         d = self.step_dir(step)
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         misses = 0  # lookups that failed although the step was committed
@@ -567,17 +645,47 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"{d}: step {step} not committed within {self.timeout} s") from None
                 time.sleep(self.retry_interval)
-        types: dict[str, str] = meta.get("types") or {}
-        by_key: dict[str, dict[str, Any]] = {key: {"__key__": key} for key in meta["keys"]}
-        for name in meta["files"]:
-            key, _, field = name.partition(".")
-            with open(os.path.join(d, name), "rb") as f:
-                data = f.read()
-            by_key[key][field] = decode_file(name, data, types.get(name))
-        return list(by_key.values())
+        return d, meta
 
     def __repr__(self) -> str:
         return f"MountDataset({self.mountpoint!r}, rank={self.rank}, next_step={self._next_step}, stop={self.stop})"
+
+
+def _numpy(value: Any) -> Any:
+    """A decoded file's value with tensors back as numpy arrays (columns hold numpy until the item)."""
+    return value.numpy() if isinstance(value, torch.Tensor) else value
+
+
+def _read_npy_column(paths: list[str]) -> np.ndarray | None:
+    """The `.npy` files at `paths` read into one `(n, *shape)` array, each file's data straight
+    into its row; None unless every file is a C-order array of the first one's dtype and shape."""
+    out: np.ndarray | None = None
+    for j, path in enumerate(paths):
+        with open(path, "rb") as f:
+            try:
+                version = np.lib.format.read_magic(f)
+                read_header = (
+                    np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                )
+                shape, fortran, dtype = read_header(f)
+            except ValueError:
+                return None
+            if out is None:
+                if fortran or dtype.hasobject:
+                    return None
+                out = np.empty((len(paths), *shape), dtype)
+            elif fortran or dtype != out.dtype or tuple(shape) != out.shape[1:]:
+                return None
+            row = memoryview(out[j, ...].reshape(-1).view(np.uint8).data)
+            got = 0
+            while got < len(row):
+                n = f.readinto(row[got:])
+                if not n:
+                    return None
+                got += n
+            if f.read(1):
+                return None
+    return out
 
 
 # -- checkpoints ---------------------------------------------------------------------------------

@@ -209,11 +209,11 @@ async def test_a_commit_that_reuses_another_steps_segment_is_a_noop_before_and_a
     state = await lakestream.load_state(url)
     old = state.step(0)
     assert old is not None
-    ranks = tuple((r.offset, r.length, r.crc32, r.samples) for r in old.ranks)
+    ranks = tuple((r.offset, r.length, r.digest, r.samples) for r in old.ranks)
 
     async def reuse() -> int:
         a = (await lakestream.load_state(url)).producers["a"]
-        return plant(root, CommitRecord("a", a.epoch, a.seq + 1, (TgbRef(old.segment, ranks, 1),)))
+        return plant(root, CommitRecord("a", a.epoch, a.seq + 1, (TgbRef(old.segment, ranks, 1, checksum=old.checksum),)))
 
     version = await reuse()
     after = await lakestream.load_state(url)

@@ -60,8 +60,8 @@ def create(url: str, world_size: int, global_batch: int) -> None:
     anyio.run(_create, url, world_size, global_batch)
 
 
-async def _produce(url: str, pid: str, samples: list[dict[str, Any]], flush_every: int = 0) -> None:
-    async with lakestream.open_producer(url, pid) as p:
+async def _produce(url: str, pid: str, samples: list[dict[str, Any]], flush_every: int = 0, **options: Any) -> None:
+    async with lakestream.open_producer(url, pid, **options) as p:
         for i, s in enumerate(samples):
             await p.put(s)
             if flush_every and (i + 1) % flush_every == 0:
@@ -1155,13 +1155,14 @@ def forge_crc(data: bytearray, pos: int, target: int) -> None:
 
 
 def plant_header(segment: Path, offset: int, length: int, crc: int, header: list[Any]) -> None:
-    """Rewrite the header of the rank slice at (offset, length) of `segment` in place: same slice
-    length (JSON padded with spaces), same CRC-32 (forged in the last 4 payload bytes)."""
+    """Rewrite the header of the rank slice at (offset, length) of `segment` in place as a format 1
+    header: same slice length (JSON padded with spaces), same CRC-32 (forged in the last 4 payload bytes)."""
     raw = bytearray(segment.read_bytes())
     sl = raw[offset : offset + length]
     (hlen,) = struct.unpack_from("<I", sl, 4)
     new = json.dumps(header).encode()
     assert len(new) <= hlen, (len(new), hlen)
+    sl[:4] = b"LSR1"
     sl[8 : 8 + hlen] = new + b" " * (hlen - len(new))
     forge_crc(sl, len(sl) - 4, crc)
     raw[offset : offset + length] = sl
@@ -1181,7 +1182,8 @@ def test_hostile_names_in_a_slice_read_as_eio_and_the_mount_stays_up(tmp_path: P
     url = file_url(tmp_path / "stream")
     create(url, 1, 2)
     filler = "x" * 40  # long keys: room for any hostile header of the same length
-    produce(url, "p", [{"__key__": f"{filler}{i:02d}", "bin": b"%08d" % i} for i in range(2 * (len(HOSTILE) + 1))])
+    samples = [{"__key__": f"{filler}{i:02d}", "bin": b"%08d" % i} for i in range(2 * (len(HOSTILE) + 1))]
+    anyio.run(lambda: _produce(url, "p", samples, checksum="crc32"))
     state = anyio.run(lakestream.load_state, url)
     truth = committed(url)
     for step, (key, fld) in HOSTILE.items():
@@ -1190,7 +1192,8 @@ def test_hostile_names_in_a_slice_read_as_eio_and_the_mount_stays_up(tmp_path: P
         r = entry.ranks[0]
         other = (key, "bin") if step == 4 else (f"{filler}ok", "bin")
         header = [[key, [[fld, "b", 8]]], [other[0], [[other[1], "b", 8]]]]
-        plant_header(tmp_path / "stream" / entry.segment, r.offset, r.length, r.crc32, header)
+        assert entry.checksum == "crc32"
+        plant_header(tmp_path / "stream" / entry.segment, r.offset, r.length, r.digest, header)
     last = len(HOSTILE)
     m = mounts(url, "--prefetch", 0)
     r0 = m.mountpoint / "rank-0"

@@ -137,6 +137,65 @@ def test_one_item_per_step_with_tensors_for_arrays(stream: str, rank: int) -> No
     assert_no_leaked_threads(before)
 
 
+def collated(rank: int, step: int) -> dict[str, Any]:
+    """The item StreamDataset(collate=True) yields: `x` (the same shape in every sample) one
+    tensor, every other field a list (`tokens`' arrays as tensors)."""
+    samples = expected(rank, step)["samples"]
+    item: dict[str, Any] = {"step": step, "keys": [s["__key__"] for s in samples]}
+    item["x"] = torch.stack([s["x"] for s in samples])
+    for f in ("tokens", "txt", "json", "bin", "cls"):
+        item[f] = [s[f] for s in samples]
+    return item
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_collate_yields_one_tensor_per_array_field(stream: str, rank: int) -> None:
+    items = list(StreamDataset(stream, rank=rank, world_size=WORLD, stop=7, collate=True))
+    assert_same(items, [collated(rank, s) for s in range(7)])
+    items[0]["x"] += 1  # writable: a copy of the fetched slice, not the store's read-only bytes
+    # the items of the stream as stored, per sample, are unchanged
+    assert_same(list(StreamDataset(stream, rank=rank, world_size=WORLD, stop=7)), [expected(rank, s) for s in range(7)])
+
+
+def test_collated_tensors_are_views_of_one_buffer_through_worker_processes(tmp_path: Path) -> None:
+    """Two block fields of a step are views of the one fetched slice: 64-byte aligned blocks at the
+    offsets the format gives, not per-sample decodes stacked; read through DataLoader workers."""
+    url = f"file://{tmp_path / 's'}"
+    n = 6
+
+    async def produce() -> None:
+        await lakestream.create(url, world_size=1, global_batch=n)
+        async with lakestream.open_producer(url, "p") as p:
+            for i in range(3 * n):
+                await p.put({"x": np.full((5,), i, np.float32), "y": np.full((2, 2), i, np.uint8), "t": str(i)})
+
+    anyio.run(produce)
+    for item in [*StreamDataset(url, rank=0, world_size=1, stop=1, collate=True)]:
+        x, y = item["x"], item["y"]
+        assert x.shape == (n, 5) and y.shape == (n, 2, 2) and item["t"] == [str(i) for i in range(n)]
+        assert y.data_ptr() - x.data_ptr() == n * 5 * 4 + (-(n * 5 * 4) % 64)  # the next block of one buffer
+    got = list(DataLoader(StreamDataset(url, rank=0, world_size=1, stop=3, collate=True), batch_size=None,
+                          num_workers=2))  # fmt: skip
+    assert [it["step"] for it in got] == [0, 1, 2]
+    for it in got:
+        s = it["step"]
+        assert_same(it["x"], torch.stack([torch.full((5,), float(i)) for i in range(s * n, (s + 1) * n)]))
+        assert_same(it["y"], torch.stack([torch.full((2, 2), i, dtype=torch.uint8) for i in range(s * n, (s + 1) * n)]))
+
+
+async def test_a_collated_reader_hands_out_views_of_one_copy_of_the_slice(stream: str) -> None:
+    async with lakestream.open_reader(stream, 0, WORLD, collate=True) as r:
+        batch = await r.read_step(3)
+        entry = r.state.step(3)
+    assert entry is not None and batch.samples == [] and len(batch) == 2
+    x = batch.columns["x"]
+    base = x
+    while isinstance(base, np.ndarray):
+        base = base.base
+    assert isinstance(base, bytearray) and len(base) == entry.ranks[0].length
+    assert np.shares_memory(x, np.frombuffer(base, np.uint8))
+
+
 def test_start_stop_and_empty_range(stream: str) -> None:
     assert [it["step"] for it in StreamDataset(stream, rank=0, start=3, stop=5)] == [3, 4]
     assert list(StreamDataset(stream, rank=0, start=4, stop=4)) == []
@@ -467,6 +526,16 @@ def mounted(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         m.stop()
 
 
+def test_mount_dataset_collates_as_the_stream_dataset(mounted: tuple[str, Path]) -> None:
+    url, mp = mounted
+    for rank in range(WORLD):
+        items = list(MountDataset(mp, rank=rank, world_size=WORLD, stop=5, collate=True))
+        assert_same(items, [collated(rank, s) for s in range(5)])
+        assert_same(items, list(StreamDataset(url, rank=rank, stop=5, collate=True)))
+    # per-sample reads of the same mount are unchanged: a block's rows are .npy files
+    assert_same(list(MountDataset(mp, rank=0, stop=5)), [expected(0, s) for s in range(5)])
+
+
 def test_mount_dataset_reads_the_same_items_as_the_stream(mounted: tuple[str, Path]) -> None:
     url, mp = mounted
     meta = json.loads((mp / "rank-0" / f"{0:012d}" / "_meta.json").read_bytes())
@@ -695,3 +764,19 @@ def test_a_killed_two_worker_job_resumes_exactly(tmp_path: Path) -> None:
     assert run_trainer(url, ckpt, log) == 0, log.read_text()
     assert f"resumed after {len(killed)} steps" in log.read_text()
     assert consumed(ckpt) == reference
+
+
+def test_collate_on_a_re_sliced_step_concatenates_the_pieces(tmp_path: Path) -> None:
+    """A step stored as 2 slices, read as 1 rank: `x`, a block in both, is one tensor of both pieces."""
+    url = make_stream(tmp_path / "s", 2)
+    anyio.run(lambda: lakestream.reshape(url, world_size=1, from_step=0))
+    items = list(StreamDataset(url, rank=0, world_size=1, stop=2, collate=True))
+    for item in items:
+        want = {"step": item["step"], "keys": [], "x": [], "tokens": [], "txt": [], "json": [], "bin": [], "cls": []}
+        for rank in range(WORLD):
+            part = collated(rank, item["step"])
+            for f in want:
+                if f != "step":
+                    want[f] += list(part[f])
+        want["x"] = torch.stack(want["x"])
+        assert_same(item, want)
