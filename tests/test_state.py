@@ -339,7 +339,7 @@ TestManifestMachine.settings = settings(max_examples=60, stateful_step_count=30,
 def test_a_tgb_names_its_checksum_and_records_without_one_are_crc32() -> None:
     old = orjson.loads(commit("a", 1, 0))
     assert "checksum" not in old["tgbs"][0]  # a CRC-32 TGB is written as before the member existed
-    wide = TgbRef("segments/a/y", ((0, 10, 2**64 - 1, 2), (10, 10, 2**40, 2)), None, checksum="xxh3-64")
+    wide = TgbRef(tgb("a", 1, 1).segment, ((0, 10, 2**64 - 1, 2), (10, 10, 2**40, 2)), None, checksum="xxh3-64")
     s = replay([create(), register("a", 1), commit("a", 1, 0), encode_record(CommitRecord("a", 1, 1, (wide,)))])
     assert [st.checksum for st in s.steps] == ["crc32", "xxh3-64"]
     assert s.steps[1].ranks[0].digest == 2**64 - 1
@@ -351,9 +351,9 @@ def test_a_tgb_names_its_checksum_and_records_without_one_are_crc32() -> None:
 @pytest.mark.parametrize(
     "tgb_",
     [
-        {"segment": "segments/a/y", "ranks": [[0, 10, 2**32, 4]], "cursor": None},  # CRC-32 is 32 bits
-        {"segment": "segments/a/y", "ranks": [[0, 10, 1, 4]], "cursor": None, "checksum": "md5"},
-        {"segment": "segments/a/y", "ranks": [[0, 10, 1, 4]], "cursor": None, "checksum": 64},
+        {"segment": "segments/a/1-0-x.tgb", "ranks": [[0, 10, 2**32, 4]], "cursor": None},  # CRC-32 is 32 bits
+        {"segment": "segments/a/1-0-x.tgb", "ranks": [[0, 10, 1, 4]], "cursor": None, "checksum": "md5"},
+        {"segment": "segments/a/1-0-x.tgb", "ranks": [[0, 10, 1, 4]], "cursor": None, "checksum": 64},
     ],
 )
 def test_a_tgb_with_an_unknown_checksum_or_a_digest_too_wide_is_a_noop(tgb_: dict) -> None:
