@@ -1,4 +1,5 @@
-"""One contract for every ObjectStore backend: memory, file and S3 (a real SeaweedFS server)."""
+"""One contract for every ObjectStore backend: memory, file, S3 (a real SeaweedFS server), and the
+simulated S3 of `lakestream.testing` (with millisecond latencies, on the real clock)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,19 @@ from s3server import S3Server, free_ports
 
 from lakestream._errors import AccessDenied, BucketNotFound, ObjectNotFound, StoreUnavailable
 from lakestream._store import FileStore, ObjectStore, open_store
+from lakestream.testing import SimulatedS3
 
 REPO = Path(__file__).resolve().parents[1]
-BACKENDS = ["memory", "file", pytest.param("s3", marks=pytest.mark.s3)]
+BACKENDS = ["memory", "file", "simulated", pytest.param("s3", marks=pytest.mark.s3)]
 
 
 @pytest.fixture(params=BACKENDS)
 async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[ObjectStore]:
+    if request.param == "simulated":
+        fast = {"put": (0.001, 0.003), "get": (0.0005, 0.002)}
+        async with SimulatedS3(latency=fast).client() as sim:
+            yield sim
+        return
     if request.param == "memory":
         url = "memory://"
     elif request.param == "file":
