@@ -185,7 +185,9 @@ class _Run:
     rss_peak: float = 0.0
 
     def in_window(self) -> bool:
-        return self.window is not None and self.window[0] <= now()
+        """After the warm-up, until the window opens (a run that never opens one is measured from
+        there), and in the window."""
+        return now() >= (self.row.warmup if self.window is None else self.window[0])
 
     def head_moved(self, head: int) -> None:
         if self.in_window():
@@ -393,6 +395,7 @@ def figures(run: _Run) -> dict[str, Any]:
         "registered": len(run.registered),
         "all_registered_at_s": round(max(run.registered), 1) if len(run.registered) == row.n else None,
         "head_step": state.head,
+        "last_step_taken": run.consumed,
         "versions": state.version,
         "checkpoints": len(run.blocks),
         "checkpoint_errors": run.checkpoint_errors[:3],
