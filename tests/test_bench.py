@@ -4,6 +4,7 @@ not judged here (docs/benchmarks.md holds real runs); that the bench printed the
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -114,3 +115,22 @@ def test_elastic_bench_smoke() -> None:
     for case in ("8→4", "8→6", "8→7", "4→8"):  # samples/s and MB/s of both reads, and their ratio
         assert re.search(rf"^\| {case} +\|( +[\d,]+ \|){{4}} +\d+\.\d\d \| +[\d.]+\.\.[\d.]+ \|$", out, re.M), case
     assert re.search(r"^target read amplification 8→4 = 1\.00: met \(1\.00\)$", out, re.M), out[-3000:]
+
+
+def test_scale_bench_smoke() -> None:
+    out = run_bench("scale.py", "--json")  # the library's own producers and readers on simulated time
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(rows) == 1, out[-3000:]
+    row = rows[0]
+    for column in (
+        "producers", "steps_per_s_demand", "readers", "consumed_steps_per_s", "visible_p50_s", "visible_p99_s",
+        "requests_per_tgb", "log_gets_per_s", "log_puts_per_s", "rate_503", "max_lead_steps", "jain",
+        "checkpoint_block_p99_ms", "committed_fraction",
+    ):  # fmt: skip
+        assert column in row, (column, row)
+    assert (row["producers"], row["steps_per_s_demand"], row["readers"]) == (4, 4, 2)
+    assert not row["truncated"] and row["simulated_s"] == 8.0, row  # 8 simulated seconds, in seconds of CPU
+    assert row["consumed_steps_per_s"] > 0 and row["committed_fraction"] > 0.5, row
+    assert row["checkpoints"] > 0 and not row["checkpoint_errors"] and row["checkpoint_block_p99_ms"] > 0, row
+    assert 0 < row["visible_p50_s"] <= row["visible_p99_s"] < 10, row
+    assert row["requests_per_tgb"] > 2 and row["log_gets_per_s"] > 0 and row["log_puts_per_s"] > 0, row

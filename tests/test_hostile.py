@@ -213,7 +213,9 @@ async def test_a_commit_that_reuses_another_steps_segment_is_a_noop_before_and_a
 
     async def reuse() -> int:
         a = (await lakestream.load_state(url)).producers["a"]
-        return plant(root, CommitRecord("a", a.epoch, a.seq + 1, (TgbRef(old.segment, ranks, 1, checksum=old.checksum),)))
+        return plant(
+            root, CommitRecord("a", a.epoch, a.seq + 1, (TgbRef(old.segment, ranks, 1, checksum=old.checksum),))
+        )
 
     version = await reuse()
     after = await lakestream.load_state(url)

@@ -1,5 +1,6 @@
-"""One contract for every ObjectStore backend: memory, file and S3 (a real SeaweedFS server) through
-each S3 client (obstore and aiobotocore)."""
+"""One contract for every ObjectStore backend: memory, file, S3 (a real SeaweedFS server) through
+each S3 client (obstore and aiobotocore), and the simulated S3 of `lakestream.testing` (with
+millisecond latencies, on the real clock)."""
 
 from __future__ import annotations
 
@@ -21,15 +22,21 @@ from s3server import S3Server, free_ports
 
 from lakestream._errors import AccessDenied, BucketNotFound, ObjectNotFound, StoreError, StoreUnavailable
 from lakestream._store import S3_CLIENTS, FileStore, ObjectStore, open_store, s3_client
+from lakestream.testing import SimulatedS3
 
 REPO = Path(__file__).resolve().parents[1]
-BACKENDS = ["memory", "file", *(pytest.param(f"s3-{c}", marks=pytest.mark.s3) for c in S3_CLIENTS)]
+BACKENDS = ["memory", "file", "simulated", *(pytest.param(f"s3-{c}", marks=pytest.mark.s3) for c in S3_CLIENTS)]
 
 
 @pytest.fixture(params=BACKENDS)
 async def store(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[ObjectStore]:
+    if request.param == "simulated":
+        fast = {"put": (0.001, 0.003), "get": (0.0005, 0.002)}
+        async with SimulatedS3(latency=fast).client() as sim:
+            yield sim
+        return
     if request.param == "memory":
         url = "memory://"
     elif request.param == "file":

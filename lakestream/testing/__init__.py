@@ -8,6 +8,9 @@
   producer or mount subprocess) that it starts with `python -m lakestream.testing SPEC ARGS…`.
 * `follower(store, on_apply=…)`: a Manifest that calls `on_apply(state)` after each version it
   applies, so a checker sees every version, even a step that a rewind discards within one refresh.
+* `SimulatedS3`: an in-process model of S3 (latencies, first conditional PUT to arrive wins,
+  per-prefix request rates answered 503 SlowDown) whose calls take simulated time, for running
+  the real clients under a mock clock (`bench/scale.py`); `client(label)` is its ObjectStore.
 * `S3Server`: a throwaway SeaweedFS S3 server on loopback (what `lakestream dev-s3` runs).
 * `run_command(argv)` runs the `lakestream` command in this process; `lakestream_command()` is the
   argv that runs it in a subprocess with this interpreter.
@@ -31,13 +34,18 @@ from .._manifest import Manifest
 from .._state import State
 from .._store import ObjectStore, set_store_wrapper
 from ._faulty import S3_LIKE, FaultyStore
+from ._simstore import S3_LATENCY, S3_RATES, SimulatedS3, SimulatedStore
 
 __all__ = [
     "LOG_PREFIX",
+    "S3_LATENCY",
     "S3_LIKE",
+    "S3_RATES",
     "SNAPSHOT_PREFIX",
     "FaultyStore",
     "S3Server",
+    "SimulatedS3",
+    "SimulatedStore",
     "WeedNotFound",
     "find_weed",
     "follower",
