@@ -102,7 +102,7 @@ def test_commits_under_a_mix_must_hold_its_shares_and_name_its_version() -> None
 
 @pytest.mark.parametrize(
     "weights",
-    [[], [["a", -1]], [["a", 0]], [["a", 1], ["a", 2]], [["a/b", 1]], [["a", "1"]], [["a", float("inf")]],
+    [[["a", -1]], [["a", 0]], [["a", 1], ["a", 2]], [["a/b", 1]], [["a", "1"]], [["a", float("inf")]],
      [["a", 1e308], ["b", 1e308]], [["a", 1.5e308], ["b", 1e308], ["c", 0]]],
 )  # fmt: skip
 def test_bad_weights_are_refused(weights: list[Any]) -> None:
@@ -111,6 +111,14 @@ def test_bad_weights_are_refused(weights: list[Any]) -> None:
     assert s.apply(2, data) is not None and s.mixes == []
     with pytest.raises(ValueError):
         decisions.mix(s, weights, now=0.0)
+
+
+def test_empty_weights_are_refused_where_a_mix_is_given() -> None:
+    """`[]` in a record clears a mixture (`weights` None in `decisions.mix`); given as weights, it is refused."""
+    s = state_with_producer()
+    for weights in ([], {}):
+        with pytest.raises(ValueError, match="1 to 256"):
+            decisions.mix(s, weights, now=0.0)  # type: ignore[arg-type]
 
 
 @given(st.lists(st.just(0.0) | st.floats(0, 1.7e308), min_size=1, max_size=8))
