@@ -266,17 +266,19 @@ def drop_source(state: State, source: str, *, from_step: int, now: float, url: s
     None when the mixture in force there gives `source` no share already (an earlier attempt of
     this producer, or another producer whose copy of the source ended, recorded it; or no mix is in
     force). Raises ConfigMismatch when another mix is recorded from a later step (a mix record
-    would replace it) and ValueError when no other source has a weight."""
+    would replace it), unless each such mix is the one this records (as after a rewind to before
+    the step another producer dropped the source from), and ValueError when no other source has a
+    weight."""
     start = max(from_step, state.head + 1)
     m = state.mix_at(start)
     if m is None or not dict(m.weights).get(source):
         return None
-    if later := [x.from_step for x in state.mixes if x.from_step > start]:
+    rest = tuple((n, w) for n, w in m.weights if n != source)
+    if not sum(w for _, w in rest):
+        raise ValueError(f"{url}: source {source!r} ended and no other source of the mix has a weight")
+    if later := [x.from_step for x in state.mixes if x.from_step > start and x.weights != rest]:
         raise ConfigMismatch(
             f"{url}: source {source!r} ended at step {start}; renormalising the mix there would replace the one "
             f"recorded from step {later[0]}: record the weights without {source!r} with 'lakestream mix' instead"
         )
-    rest = tuple((n, w) for n, w in m.weights if n != source)
-    if not sum(w for _, w in rest):
-        raise ValueError(f"{url}: source {source!r} ended and no other source of the mix has a weight")
     return MixRecord(start, rest, now)
