@@ -161,8 +161,10 @@ async def produce(
                         it = transform(it, map, start=start, workers=workers, on_error=on_error, stats=mapped)
                     held = await _feed(p, it, p.global_batch if drop_last else 1, rate, t0)
                 else:
-                    feed = _Mixed(p, sources, on_source_end, ended)
-                    held, unread = 0, await feed.run(start, map, workers, on_error, mapped, rate, t0)
+                    held = 0
+                    unread = await _feed_mixed(
+                        p, sources, start, map, workers, on_error, mapped, rate, t0, on_source_end, ended
+                    )
             _add(stats, p.stats)
             break
         except MixChanged as e:
@@ -182,108 +184,98 @@ def _add(total: ProducerStats, one: ProducerStats) -> None:
     total.ready_to_visible += one.ready_to_visible
 
 
-@dataclass
-class _Mixed:
-    """Puts global batches composed by the mixture in force (equal shares under none) until a source
-    it draws from ends: then stops (`stop`), or drops the source and goes on (`renormalize`).
+async def _feed_mixed(
+    p: Producer,
+    sources: dict[str, Source],
+    start: Any,
+    map: str | MapFunction | None,
+    workers: int,
+    on_error: str,
+    mapped: MapStats | None,
+    rate: float,
+    t0: float,
+    on_source_end: str,
+    ended: list[str],
+) -> tuple[str, ...]:
+    """Put global batches composed by the mixture in force (equal shares under none) until a source it
+    draws from ends: then stop (`stop`), or drop the source and go on (`renormalize`). Nothing is held
+    back. Adds the sources that ended to `ended`; returns those with samples left unread.
 
     Each source is read ahead in a thread of its own (`_ReadAhead`); a share takes exactly its count
-    from its source, and what was read beyond it waits there for the next batch. Every batch but
-    the last (and one where a source ended) is whole, so each is composed for the mix in force at
-    the step it takes."""
-
-    p: Producer
-    sources: dict[str, Source]
-    on_source_end: str
-    ended: list[str]  # the sources read to their end, over the producer's restarts too
-
-    async def run(
-        self,
-        start: Any,
-        map: str | MapFunction | None,
-        workers: int,
-        on_error: str,
-        mapped: MapStats | None,
-        rate: float,
-        t0: float,
-    ) -> tuple[str, ...]:
-        """Produce from the committed cursor `start`; the sources with samples left unread at the end."""
-        p, sources = self.p, self.sources
-        if start is not None and not (isinstance(start, dict) and isinstance(start.get("sources"), dict)):
-            raise ConfigMismatch(
-                f"{p.manifest.url}: producer {p.id!r} resumes at {start!r}, not a cursor of named sources"
-            )
-        cursors: dict[str, Any] = dict(start["sources"]) if start is not None else {}
-        if unknown := set(cursors) - set(sources):
-            raise ConfigMismatch(
-                f"{p.manifest.url}: producer {p.id!r} has cursors of sources {sorted(unknown)} not given"
-            )
-        its: dict[str, Iterator[Any]] = {}
-        for name, src in sources.items():
-            at = cursors.get(name)
-            it = src.iterate(source_cursor(at, mapped=map is not None))
-            its[name] = transform(it, map, start=at, workers=workers, on_error=on_error, stats=mapped) if map else it
-        aheads: dict[str, _ReadAhead] = {}
-        gone: set[str] = set()  # the sources this incarnation read to their end
-        n = 0
-        try:
-            for name, it in its.items():
-                aheads[name] = _ReadAhead(it, name=f"lakestream-source-{name}")
-            last: str | None = None  # the source that ended while the open batch was composed
-            while True:
-                if last is not None and self.on_source_end == "stop":
-                    break  # the open batch is the last TGB: it holds at most each share
-                version, weights = p.mix_now()
-                if weights is None:  # no mixture in force: equal shares of the sources not ended
-                    weights = tuple((name, 1.0) for name in sources if name not in gone)
-                    if not weights:
-                        break  # every source ended
-                counts = mix_counts(weights, p.global_batch)
-                if missing := [name for name, c in counts.items() if c and name not in its]:
-                    raise ConfigMismatch(f"{p.manifest.url}: the mixture in force draws from {missing}, not given")
-                drawn = [name for name, c in counts.items() if c and name in gone]
-                if last is not None or drawn:
-                    if not sum(w for name, w in weights if name not in gone):
-                        break  # every source the mixture draws from ended
-                    ended = drawn[0] if drawn else last
-                    assert ended is not None
-                    await p.drop_source(ended)  # seals the open batch short
-                    last = None
-                    continue
-                for name, c in counts.items():
-                    while c > 0 and last is None:
-                        items = await aheads[name].take(c)
-                        if items is None:
-                            log.info("%s: producer %s: source %s ended", p.manifest.url, p.id, name)
-                            gone.add(name)
-                            self.ended += [] if name in self.ended else [name]
-                            last = name
-                            break
-                        c -= len(items)
-                        for sample, cursors[name] in items:
-                            doc = {"sources": dict(cursors)}
-                            key = f"{name}-{sample.get(KEY_FIELD, n)}"  # keys of different sources never collide
-                            await p.put(
-                                {**sample, KEY_FIELD: key, SOURCE_FIELD: name}, cursor=doc, source=name, mix=version
-                            )
-                            n += 1
-                            if rate > 0 and (ahead := t0 + n / rate - time.perf_counter()) > 0:
-                                await anyio.sleep(ahead)
-                    if last is not None:
+    from its source, and what was read beyond it waits there for the next batch. Every batch but the
+    last and those where a source ended is whole, so each is composed for the mix in force at its step."""
+    if start is not None and not (isinstance(start, dict) and isinstance(start.get("sources"), dict)):
+        raise ConfigMismatch(f"{p.manifest.url}: producer {p.id!r} resumes at {start!r}, not a cursor of named sources")
+    cursors: dict[str, Any] = dict(start["sources"]) if start is not None else {}
+    if unknown := set(cursors) - set(sources):
+        raise ConfigMismatch(f"{p.manifest.url}: producer {p.id!r} has cursors of sources {sorted(unknown)} not given")
+    its: dict[str, Iterator[Any]] = {}
+    for name, src in sources.items():
+        at = cursors.get(name)
+        it = src.iterate(source_cursor(at, mapped=map is not None))
+        its[name] = transform(it, map, start=at, workers=workers, on_error=on_error, stats=mapped) if map else it
+    aheads: dict[str, _ReadAhead] = {}
+    gone: set[str] = set()  # the sources this incarnation read to their end
+    n = 0
+    try:
+        for name, it in its.items():
+            aheads[name] = _ReadAhead(it, name=f"lakestream-source-{name}")
+        last: str | None = None  # the source that ended while the open batch was composed
+        while True:
+            if last is not None and on_source_end == "stop":
+                break  # the open batch is the last TGB: it holds at most each share
+            version, weights = p.mix_now()
+            if weights is None:  # no mixture in force: equal shares of the sources not ended
+                weights = tuple((name, 1.0) for name in sources if name not in gone)
+                if not weights:
+                    break  # every source ended
+            counts = mix_counts(weights, p.global_batch)
+            if missing := [name for name, c in counts.items() if c and name not in its]:
+                raise ConfigMismatch(f"{p.manifest.url}: the mixture in force draws from {missing}, not given")
+            drawn = [name for name, c in counts.items() if c and name in gone]
+            if last is not None or drawn:
+                if not sum(w for name, w in weights if name not in gone):
+                    break  # every source the mixture draws from ended
+                dropped = drawn[0] if drawn else last
+                assert dropped is not None
+                await p.drop_source(dropped)  # seals the open batch short
+                last = None
+                continue
+            for name, c in counts.items():
+                while c > 0 and last is None:
+                    items = await aheads[name].take(c)
+                    if items is None:
+                        log.info("%s: producer %s: source %s ended", p.manifest.url, p.id, name)
+                        gone.add(name)
+                        if name not in ended:
+                            ended.append(name)
+                        last = name
                         break
-            return tuple([name for name in sources if name not in gone and await aheads[name].more()])
-        finally:
-            with anyio.CancelScope(shield=True):  # every source stopped, even when stopping one fails
-                failed: BaseException | None = None
-                for name, it in its.items():
-                    stop = aheads[name].stop if name in aheads else getattr(it, "close", None)
-                    try:
-                        if stop is not None:
-                            await anyio.to_thread.run_sync(stop)
-                    except BaseException as e:
-                        failed = failed or e
-                if failed is not None:
-                    raise failed
+                    c -= len(items)
+                    for sample, cursors[name] in items:
+                        doc = {"sources": dict(cursors)}
+                        key = f"{name}-{sample.get(KEY_FIELD, n)}"  # keys of different sources never collide
+                        await p.put(
+                            {**sample, KEY_FIELD: key, SOURCE_FIELD: name}, cursor=doc, source=name, mix=version
+                        )
+                        n += 1
+                        if rate > 0 and (ahead := t0 + n / rate - time.perf_counter()) > 0:
+                            await anyio.sleep(ahead)
+                if last is not None:
+                    break
+        return tuple([name for name in sources if name not in gone and await aheads[name].more()])
+    finally:
+        with anyio.CancelScope(shield=True):  # every source stopped, even when stopping one fails
+            failed: BaseException | None = None
+            for name, it in its.items():
+                stop = aheads[name].stop if name in aheads else getattr(it, "close", None)
+                try:
+                    if stop is not None:
+                        await anyio.to_thread.run_sync(stop)
+                except BaseException as e:
+                    failed = failed or e
+            if failed is not None:
+                raise failed
 
 
 async def _feed(p: Producer, it: Iterator[Any], batch: int, rate: float, t0: float) -> int:

@@ -612,3 +612,20 @@ def test_renormalize_consumes_every_row_of_the_remaining_sources_once(stream_url
     assert anyio.run(lakestream.load_state, url).head == state.head and "no source has samples left" in r.stdout
     r = run_cli("produce", url, "--producer-id", "q", "--synthetic", 5, "--on-source-end", "renormalize", check=False)
     assert r.returncode == 1 and "--on-source-end applies to named sources" in r.stderr, describe(r)
+
+
+def test_renormalize_refuses_to_replace_a_later_mix_in_one_line(tmp_path: Path) -> None:
+    """web (20) ends at step 4 under 1 : 1; a mix from step 10 would be replaced by the record the
+    producer would append: it refuses, naming the step, with everything before committed."""
+    url = f"file://{tmp_path}/s"
+    run_cli("init", url, "--world-size", 2, "--global-batch", 10, check=True)
+    sources = wds_sources(tmp_path, {"web": 20, "code": 60})
+    run_cli("mix", url, "--weights", "web=1,code=1", check=True)
+    run_cli("mix", url, "--weights", "web=1,code=3", "--from-step", 10, check=True)
+    r = run_cli("produce", url, "--producer-id", "p", *sources, "--on-source-end", "renormalize", check=False)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, describe(r)
+    assert "source 'web' ended at step 4; renormalising the mix there would replace the one recorded from step 10" in (
+        r.stderr
+    ), describe(r)
+    assert source_counts(url) == [{"web": 5, "code": 5}] * 4
+    run_cli("verify", url, check=True)
