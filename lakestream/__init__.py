@@ -215,13 +215,16 @@ async def reshape(
         return await _reshape(store, world_size, global_batch=global_batch, from_step=from_step)
 
 
-async def mix(target: Target, weights: dict[str, float], *, from_step: int | None = None) -> State:
+async def mix(target: Target, weights: dict[str, float] | None, *, from_step: int | None = None) -> State:
     """From `from_step` (None: the step after the head; never a committed step) every TGB holds
     each named source's share of the global batch: the largest-remainder rounding of weight x
     global batch. Several mixes with later `from_step`s make a schedule. Producers draw from named
-    sources (`produce(url, id, {"web": spec, ...})`). Returns the new state."""
+    sources (`produce(url, id, {"web": spec, ...})`). Returns the new state.
+
+    `weights` None clears: from `from_step` on no mixture is in force, as before the first one
+    (plain producers commit again; producers of named sources draw equal shares)."""
     async with _store_for(target) as store:
-        return await _mix(store, list(weights.items()), from_step=from_step)
+        return await _mix(store, None if weights is None else list(weights.items()), from_step=from_step)
 
 
 async def gc(target: Target, **options: Any) -> GcReport:

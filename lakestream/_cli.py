@@ -32,7 +32,7 @@ from ._batching import mix_counts
 from ._errors import LakestreamError
 from ._errors import first_error as _first_error
 from ._pacing import DacPolicy
-from ._pipeline import SyntheticSource, produce
+from ._pipeline import ProduceReport, SyntheticSource, produce
 from ._tasks import task_group
 from ._text import safe as _safe
 from ._top import Progress, progress
@@ -203,7 +203,15 @@ def _parser() -> argparse.ArgumentParser:
         "(ConfigMismatch).\n\n"
         "The last global batch: when the source ends, its remaining samples are committed as a short last step "
         "(fewer than the global batch; some ranks may get fewer samples, or none, at that step). --drop-last holds "
-        "them back instead: they stay uncommitted, and the next run of the same producer id starts with them."
+        "them back instead: they stay uncommitted, and the next run of the same producer id starts with them.\n\n"
+        "Named sources (--source NAME=SPEC, repeated): every global batch holds each source's share by the mixture "
+        "in force ('lakestream mix'; equal shares under none). When one of them ends, --on-source-end stop (the "
+        "default) ends the run, its last step short, and the last line names the source that ended and those with "
+        "samples left unread; --on-source-end renormalize commits the open batch as a short step, records the "
+        "mixture in force without that source from the next step (the other weights as they are, so their shares "
+        "are renormalised among themselves; nothing under no mixture) and goes on until every source the mixture "
+        "draws from ended. It is refused when a mix is recorded from a later step, which that record would "
+        "replace: record the weights without the source with 'lakestream mix' instead."
     ))  # fmt: skip
     p.add_argument("url", help=url_help)
     p.add_argument("--producer-id", required=True,
@@ -241,6 +249,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="hold back a final partial global batch instead of committing a short last step",
     )
+    p.add_argument("--on-source-end", choices=["stop", "renormalize"], default="stop",
+                   help="named sources: when one ends, end the run (stop, the default) or go on with the others, "
+                        "recording the mixture without it (renormalize)")  # fmt: skip
     p.add_argument("--sample-size", type=_integer, default=64 << 10, help="synthetic sample bytes")
     p.add_argument("--work-ms", type=float, default=0.0, help="synthetic CPU work per sample, milliseconds")
     p.add_argument("--max-inflight-bytes", type=_integer, default=256 << 20,
@@ -339,14 +350,19 @@ def _parser() -> argparse.ArgumentParser:
         "source's share of the global batch: the largest-remainder rounding of weight x global batch. Several "
         "mix records with later --from-step values make a schedule; a later one from the same step replaces it. "
         "Producers draw from the named sources with --source NAME=SPEC; a producer whose sealed TGBs would land "
-        "under other weights starts again from its committed cursors instead of committing them."
+        "under other weights starts again from its committed cursors instead of committing them. While a mixture "
+        "is in force, a producer of one unnamed source is refused.\n\n"
+        "--clear: from step S no mixture is in force, as before the first mix (it replaces every mix from S on): "
+        "producers of one unnamed source commit again, and producers of named sources draw equal shares of them."
     ))  # fmt: skip
     p.add_argument("url", help=url_help)
-    p.add_argument("--weights", type=_weights, required=True, metavar="NAME=W,...",
-                   help="source weights, such as web=0.6,code=0.3,math=0.1 (any scale, a finite total; a name is 1 to "
-                        "64 letters, digits and '_')")  # fmt: skip
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--weights", type=_weights, metavar="NAME=W,...",
+                      help="source weights, such as web=0.6,code=0.3,math=0.1 (any scale, a finite total; a name is 1 "
+                           "to 64 letters, digits and '_')")  # fmt: skip
+    what.add_argument("--clear", action="store_true", help="no mixture from step S on")
     p.add_argument("--from-step", type=_nonneg, default=None, metavar="S",
-                   help="the first step under these weights (default: the step after the head)")  # fmt: skip
+                   help="the first step under these weights, or under none (default: the step after the head)")  # fmt: skip
 
     p = sub.add_parser("reshape", help="read the steps from a step on as another number of ranks", description=(
         "From step S (default: the step after the head) every step is read as W2 ranks. A world-size change "
@@ -581,7 +597,7 @@ async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Produc
     try:
         r = await produce(
             store, a.producer_id, source, map=a.map, workers=a.workers, on_error=a.on_error,
-            drop_last=a.drop_last, rate=a.rate, on_open=producers.append,
+            drop_last=a.drop_last, on_source_end=a.on_source_end, rate=a.rate, on_open=producers.append,
             max_inflight_bytes=a.max_inflight_bytes, policy=policy,
         )  # fmt: skip
     finally:
@@ -595,6 +611,7 @@ async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Produc
             "commit_attempts": s.commit_attempts, "bytes": s.bytes_uploaded,
             "requests": getattr(store, "requests", None), "ready_to_visible": sorted(s.ready_to_visible),
             "held_back": r.held_back, "mix_restarts": r.extra.get("mix_restarts", 0),
+            "ended": list(r.ended), "unread": list(r.unread),
         }  # fmt: skip
         if r.map is not None:
             m = r.map
@@ -610,6 +627,20 @@ async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Produc
             f"held back {r.held_back} samples of a partial last global batch (--drop-last): a later run of producer "
             f"{a.producer_id} starts with them"
         )
+    if r.ended:
+        print(_source_end(r, a.on_source_end))
+
+
+def _source_end(r: ProduceReport, policy: str) -> str:
+    """The last line of a run of named sources that ended: which ended, which have samples left unread."""
+    ended = ", ".join(r.ended)
+    line = f"source{'s' if len(r.ended) > 1 else ''} {ended} ended"
+    if not r.unread:
+        return f"{line}; no source has samples left"
+    left = f"; samples of {', '.join(r.unread)} were left unread"
+    if policy == "stop":
+        return f"{line}{left} (--on-source-end renormalize goes on without {ended})"
+    return f"{line}{left} (the mixture gives them no share)"
 
 
 def _file_name(batch: lakestream.RankBatch, key: Any, field: str) -> str:
@@ -730,7 +761,13 @@ def _weights(text: str) -> dict[str, float]:
 
 
 async def _mix(a: argparse.Namespace) -> int:
-    state = await lakestream.mix(a.url, a.weights, from_step=a.from_step)
+    state = await lakestream.mix(a.url, None if a.clear else a.weights, from_step=a.from_step)
+    if a.clear:
+        start = state.head + 1 if a.from_step is None else a.from_step
+        print(
+            f"{a.url}: from step {start} no mixture is in force (plain producers commit; named ones draw equal shares)"
+        )
+        return 0
     m = state.mixes[-1]
     shares = mix_counts(m.weights, state.batch_at(m.from_step))
     print(
@@ -782,8 +819,8 @@ def status_dict(state: lakestream.State) -> dict[str, Any]:
         "mixes": [
             {
                 "from_step": m.from_step,
-                "weights": dict(m.weights),
-                "shares": mix_counts(m.weights, state.batch_at(m.from_step)),
+                "weights": dict(m.weights),  # {} where the mixture was cleared
+                "shares": mix_counts(m.weights, state.batch_at(m.from_step)) if m.weights else {},
             }
             for m in state.mixes
         ],

@@ -43,6 +43,7 @@ __all__ = [
     "commit",
     "create",
     "current_incarnation",
+    "drop_source",
     "mix",
     "reclaim",
     "register",
@@ -228,18 +229,56 @@ def reshape(
 
 
 def mix(
-    state: State, weights: Sequence[tuple[str, float]], *, from_step: int | None = None, now: float, url: str = ""
+    state: State,
+    weights: Sequence[tuple[str, float]] | None,
+    *,
+    from_step: int | None = None,
+    now: float,
+    url: str = "",
 ) -> MixRecord | None:
     """From `from_step` (None: the step after the head; never a committed step) every TGB holds
     each source's share of the global batch by `weights`. None when that mix is already the newest
     one recorded from that step. Raises ValueError for bad weights or source names
-    (`check_source_name`) or a committed step."""
+    (`check_source_name`) or a committed step.
+
+    `weights` None clears: from `from_step` on no mixture is in force (an empty `mix` record), as
+    before the first one. None when none is already: no mix in force there and none after it."""
     start = state.head + 1 if from_step is None else from_step
-    for w in weights:  # a name given now follows the rule for new names (older records may hold others)
-        check_source_name(w[0] if isinstance(w, list | tuple) and w else None)
-    checked = check_weights([list(w) for w in weights])
+    checked: tuple[tuple[str, float], ...] = ()
+    if weights is not None:
+        for w in weights:  # a name given now follows the rule for new names (older records may hold others)
+            check_source_name(w[0] if isinstance(w, list | tuple) and w else None)
+        checked = check_weights([list(w) for w in weights])
     if type(start) is not int or start <= state.head or start >= MAX_STEP:
         raise ValueError(f"{url}: a mix applies from a step not committed yet (after {state.head}), not {start!r}")
+    if weights is None and state.mix_at(start) is None and all(m.from_step <= start for m in state.mixes):
+        return None
     if state.mixes and (state.mixes[-1].from_step, state.mixes[-1].weights) == (start, checked):
         return None
     return MixRecord(start, checked, now)
+
+
+def drop_source(state: State, source: str, *, from_step: int, now: float, url: str = "") -> MixRecord | None:
+    """`source` ended: from `from_step` (or the step after the head, if that is later) the mixture
+    in force there without it, the other weights as they are (so their shares are renormalised
+    among themselves). What a producer run with `--on-source-end renormalize` appends.
+
+    None when the mixture in force there gives `source` no share already (an earlier attempt of
+    this producer, or another producer whose copy of the source ended, recorded it; or no mix is in
+    force). Raises ConfigMismatch when another mix is recorded from a later step (a mix record
+    would replace it), unless each such mix is the one this records (as after a rewind to before
+    the step another producer dropped the source from), and ValueError when no other source has a
+    weight."""
+    start = max(from_step, state.head + 1)
+    m = state.mix_at(start)
+    if m is None or not dict(m.weights).get(source):
+        return None
+    rest = tuple((n, w) for n, w in m.weights if n != source)
+    if not sum(w for _, w in rest):
+        raise ValueError(f"{url}: source {source!r} ended and no other source of the mix has a weight")
+    if later := [x.from_step for x in state.mixes if x.from_step > start and x.weights != rest]:
+        raise ConfigMismatch(
+            f"{url}: source {source!r} ended at step {start}; renormalising the mix there would replace the one "
+            f"recorded from step {later[0]}: record the weights without {source!r} with 'lakestream mix' instead"
+        )
+    return MixRecord(start, rest, now)

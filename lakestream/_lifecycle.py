@@ -91,13 +91,14 @@ async def reshape(
 
 async def mix(
     store: ObjectStore,
-    weights: list[tuple[str, float]],
+    weights: list[tuple[str, float]] | None,
     *,
     from_step: int | None = None,
     wall: Callable[[], float] = time.time,
 ) -> State:
     """From `from_step` (None: the step after the head) every TGB holds each named source's share
-    of the global batch by `weights` (`_decisions.mix`). Returns the new state."""
+    of the global batch by `weights`, or none with `weights` None (`_decisions.mix`). Returns the
+    new state."""
     m = Manifest(store)
     await m.load()
     await m.append(lambda st, _: decisions.mix(st, weights, from_step=from_step, now=wall(), url=store.url))

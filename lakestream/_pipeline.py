@@ -62,6 +62,8 @@ class ProduceReport:
     map: MapStats | None = None  # with a transform: records read, outputs, dropped, skipped keys
     policy: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    ended: tuple[str, ...] = ()  # named sources read to their end, in that order
+    unread: tuple[str, ...] = ()  # named sources with samples left unread when the run stopped
 
 
 async def produce(
@@ -78,6 +80,7 @@ async def produce(
     workers: int = 0,
     on_error: str = "fail",
     drop_last: bool = False,
+    on_source_end: str = "stop",
     rate: float = 0.0,
     on_open: Callable[[Producer], None] | None = None,
     **options: Any,
@@ -88,9 +91,15 @@ async def produce(
     global batch holding each source's share by the mixture in force (`lakestream mix`; equal
     shares before any), every sample keyed `<name>-<key>` with a `__source__` field naming its
     source, and the cursor
-    `{"sources": {name: cursor}}`. It stops when one source ends. When a mix record changes the
-    weights at the step its sealed TGBs would take, the producer starts again from its committed
-    cursors (MixChanged): those TGBs are resealed from the source, never committed.
+    `{"sources": {name: cursor}}`. When a mix record changes the weights at the step its sealed
+    TGBs would take, the producer starts again from its committed cursors (MixChanged): those TGBs
+    are resealed from the source, never committed.
+
+    `on_source_end`, when a named source ends: `"stop"` ends the run (its last TGB holds at most
+    each share); `"renormalize"` seals the open batch short, records the mixture in force without
+    the source from the next step (`Producer.drop_source`; under no mixture the others simply get
+    equal shares) and goes on until every source the mixture draws from ended. The report names
+    the sources that ended (`ended`) and those with samples left unread (`unread`).
 
     `map`: a function (or `MODULE:FUNCTION`) from a sample to a sample, None (dropped) or a list of
     samples, run in `workers` processes when > 0, order preserved (see `lakestream._transform`);
@@ -105,6 +114,10 @@ async def produce(
         raise ValueError(f"on_error {on_error!r}: expected fail or skip")
     if map is None and (workers or on_error != "fail"):
         raise ValueError("--workers and --on-error apply to --map")
+    if on_source_end not in ("stop", "renormalize"):
+        raise ValueError(f"on_source_end {on_source_end!r}: expected stop or renormalize")
+    if on_source_end != "stop" and not isinstance(source, Mapping):
+        raise ValueError("--on-source-end applies to named sources")
     order: dict[str, Any] = {
         "shard": shard,
         "key_column": key_column,
@@ -126,6 +139,8 @@ async def produce(
     t0 = time.perf_counter()
     mapped = MapStats() if map is not None else None
     stats, restarts = ProducerStats(), 0
+    ended: list[str] = []
+    unread: tuple[str, ...] = ()
     while True:
         try:
             async with open_producer(target, producer_id, **options) as p:
@@ -146,7 +161,10 @@ async def produce(
                         it = transform(it, map, start=start, workers=workers, on_error=on_error, stats=mapped)
                     held = await _feed(p, it, p.global_batch if drop_last else 1, rate, t0)
                 else:
-                    held = await _feed_mixed(p, sources, start, map, workers, on_error, mapped, rate, t0)
+                    held = 0
+                    unread = await _feed_mixed(
+                        p, sources, start, map, workers, on_error, mapped, rate, t0, on_source_end, ended
+                    )
             _add(stats, p.stats)
             break
         except MixChanged as e:
@@ -155,6 +173,7 @@ async def produce(
             log.info("%s", e)
     report = ProduceReport(producer_id, p.epoch, start, time.perf_counter() - t0, stats, held, mapped, p.policy_name)
     report.extra["mix_restarts"] = restarts
+    report.ended, report.unread = tuple(ended), unread
     return report
 
 
@@ -175,11 +194,16 @@ async def _feed_mixed(
     mapped: MapStats | None,
     rate: float,
     t0: float,
-) -> int:
-    """Put global batches composed by the mixture in force, until a source ends. Nothing is held back.
+    on_source_end: str,
+    ended: list[str],
+) -> tuple[str, ...]:
+    """Put global batches composed by the mixture in force (equal shares under none) until a source it
+    draws from ends: then stop (`stop`), or drop the source and go on (`renormalize`). Nothing is held
+    back. Adds the sources that ended to `ended`; returns those with samples left unread.
 
     Each source is read ahead in a thread of its own (`_ReadAhead`); a share takes exactly its count
-    from its source, and what was read beyond it waits there for the next batch."""
+    from its source, and what was read beyond it waits there for the next batch. Every batch but the
+    last and those where a source ended is whole, so each is composed for the mix in force at its step."""
     if start is not None and not (isinstance(start, dict) and isinstance(start.get("sources"), dict)):
         raise ConfigMismatch(f"{p.manifest.url}: producer {p.id!r} resumes at {start!r}, not a cursor of named sources")
     cursors: dict[str, Any] = dict(start["sources"]) if start is not None else {}
@@ -191,20 +215,42 @@ async def _feed_mixed(
         it = src.iterate(source_cursor(at, mapped=map is not None))
         its[name] = transform(it, map, start=at, workers=workers, on_error=on_error, stats=mapped) if map else it
     aheads: dict[str, _ReadAhead] = {}
+    gone: set[str] = set()  # the sources this incarnation read to their end
     n = 0
     try:
         for name, it in its.items():
             aheads[name] = _ReadAhead(it, name=f"lakestream-source-{name}")
+        last: str | None = None  # the source that ended while the open batch was composed
         while True:
+            if last is not None and on_source_end == "stop":
+                break  # the open batch is the last TGB: it holds at most each share
             version, weights = p.mix_now()
-            counts = mix_counts(weights or [(name, 1.0) for name in sources], p.global_batch)
+            if weights is None:  # no mixture in force: equal shares of the sources not ended
+                weights = tuple((name, 1.0) for name in sources if name not in gone)
+                if not weights:
+                    break  # every source ended
+            counts = mix_counts(weights, p.global_batch)
             if missing := [name for name, c in counts.items() if c and name not in its]:
                 raise ConfigMismatch(f"{p.manifest.url}: the mixture in force draws from {missing}, not given")
+            drawn = [name for name, c in counts.items() if c and name in gone]
+            if last is not None or drawn:
+                if not sum(w for name, w in weights if name not in gone):
+                    break  # every source the mixture draws from ended
+                dropped = drawn[0] if drawn else last
+                assert dropped is not None
+                await p.drop_source(dropped)  # seals the open batch short
+                last = None
+                continue
             for name, c in counts.items():
-                while c > 0:
+                while c > 0 and last is None:
                     items = await aheads[name].take(c)
                     if items is None:
-                        return 0  # a source ended: the open batch is committed short (each share at most)
+                        log.info("%s: producer %s: source %s ended", p.manifest.url, p.id, name)
+                        gone.add(name)
+                        if name not in ended:
+                            ended.append(name)
+                        last = name
+                        break
                     c -= len(items)
                     for sample, cursors[name] in items:
                         doc = {"sources": dict(cursors)}
@@ -215,6 +261,9 @@ async def _feed_mixed(
                         n += 1
                         if rate > 0 and (ahead := t0 + n / rate - time.perf_counter()) > 0:
                             await anyio.sleep(ahead)
+                if last is not None:
+                    break
+        return tuple([name for name in sources if name not in gone and await aheads[name].more()])
     finally:
         with anyio.CancelScope(shield=True):  # every source stopped, even when stopping one fails
             failed: BaseException | None = None
@@ -363,6 +412,13 @@ class _ReadAhead:
             await anyio.to_thread.run_sync(self._wait, min(most, self._limit), abandon_on_cancel=True)
             out = self._ready(most)
         return out
+
+    async def more(self) -> bool:
+        """Whether a pair is left to take, waiting for one if none is read yet (True too if the
+        iterator failed before its end)."""
+        await anyio.to_thread.run_sync(self._wait, 1, abandon_on_cancel=True)
+        with self._cond:
+            return bool(self._items) or self._error is not None
 
     def stop(self) -> None:
         """Read no more, wait for the sample being read, close the iterator (blocks: run it in a thread).

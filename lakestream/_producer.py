@@ -187,6 +187,26 @@ class Producer:
         m = state.mix_at(state.head + 1 + len(self._pending))  # where it lands if no other producer commits first
         return (m.version, m.weights) if m else (None, None)
 
+    async def drop_source(self, source: str) -> None:
+        """`source` ended and the others go on without it: seal the open batch (a short TGB, which
+        holds at most each share), wait until every TGB is committed, then record the mixture in
+        force without `source` from the step after the head (`_decisions.drop_source`; nothing when
+        it gives `source` no share already). Raises ConfigMismatch when a mix is recorded from a
+        later step, and what `flush` raises."""
+        self._check()
+        if self._samples:
+            await self._seal()
+        await self.flush()
+        result = await self.manifest.append(
+            lambda st, _: decisions.drop_source(
+                st, source, from_step=st.head + 1, now=self._wall(), url=self.manifest.url
+            )
+        )
+        self._metrics.appended(result)
+        if result.version is not None:
+            log.info("%s: source %s ended; the mixture goes on without it", self.manifest.url, source)
+            self._appended(result.version)
+
     async def put(
         self, sample: Mapping[str, Any], *, cursor: Any = None, source: str | None = None, mix: int | None = None
     ) -> None:

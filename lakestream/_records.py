@@ -182,7 +182,8 @@ def check_source_name(name: Any) -> str:
 @dataclass(frozen=True, slots=True)
 class MixRecord:
     """From step `from_step` on, every TGB holds each named source's share of the global batch
-    (`_batching.mix_counts` of `weights`); it replaces every mix from `from_step` on."""
+    (`_batching.mix_counts` of `weights`); it replaces every mix from `from_step` on. Empty
+    `weights` clear: from `from_step` on no mixture is in force, as before the first mix."""
 
     from_step: int
     weights: tuple[tuple[str, float], ...]
@@ -358,7 +359,7 @@ def decode_record(data: bytes) -> Record:
         return RewindRecord(f.int("to_step", -1, why=f"rewind: bad step {r.get('to_step')!r}"), f.ts())
     if kind == "mix":
         try:
-            weights = check_weights(r.get("weights"))
+            weights = () if r.get("weights") == [] else check_weights(r.get("weights"))  # [] clears
         except ValueError as e:
             raise RecordError(f"mix: {e}") from None
         return MixRecord(f.int("from_step", why=f"mix: bad step {r.get('from_step')!r:.40}"), weights, f.ts())

@@ -32,6 +32,10 @@ Invariants, kept by `apply` alone:
   kept for this; the check is O(1) a TGB.
 * `checkpoint`, `release`, `reclaim` and `rewind` (the lifecycle) only move `first_step`, `head`,
   the checkpoint list and epochs; they never reorder steps.
+* A `mix` record applies from a step after the head and replaces every mix from that step on; one
+  with no weights clears. `mix_at(step)` is the newest mix from `step` or before, None before the
+  first one or from a clear on. A TGB committed at a step names exactly that mix's version (no
+  mix under None) and holds its shares, so a TGB sealed for other weights is never committed.
 """
 
 from __future__ import annotations
@@ -165,7 +169,8 @@ def _segment_of(key: str, producer: str, epoch: int, seq: int) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Mix:
-    """A mixture in force from `from_step`: the weights of the `mix` record at log `version`."""
+    """A mixture in force from `from_step`: the weights of the `mix` record at log `version`; none
+    (a cleared mixture) when they are empty."""
 
     from_step: int
     version: int
@@ -216,9 +221,10 @@ class State:
         return world, batch
 
     def mix_at(self, step: int) -> Mix | None:
-        """The mixture in force at `step`: the newest mix from `step` or before, if any."""
+        """The mixture in force at `step`: the newest mix from `step` or before, if any and not a
+        cleared one (empty weights). None: TGBs at `step` name no mix, as before the first one."""
         i = bisect.bisect_right([m.from_step for m in self.mixes], step)
-        return self.mixes[i - 1] if i else None
+        return self.mixes[i - 1] if i and self.mixes[i - 1].weights else None
 
     def first_batch_change(self, from_step: int, batch: int) -> int | None:
         """The first step from `from_step` on whose global batch a reshape from `from_step` to
@@ -333,7 +339,8 @@ class State:
             self._validate_mix(pid, self.head + 1 + i, t, samples, batch)
 
     def _validate_mix(self, pid: str, step: int, t: TgbRef, samples: int, batch: int) -> None:
-        """Under a mixture a TGB names the mix it was sealed for and holds each source's share."""
+        """Under a mixture a TGB names the mix it was sealed for and holds each source's share; under
+        none (before the first mix, or from a cleared one on) it names no mix."""
         m = self.mix_at(step)
         if m is None:
             _need(t.mix is None, f"commit {pid}: a TGB sealed for mix version {t.mix} at step {step}, under no mix")
@@ -671,7 +678,8 @@ def _state_from_dict(d: dict[str, Any]) -> State:
 
 
 def _mixes_from(raw_mixes: Any, version: int) -> list[Mix]:
-    """A snapshot's `mixes`: [[from step, record version, [[name, weight], …]], …], rising from step."""
+    """A snapshot's `mixes`: [[from step, record version, [[name, weight], …]], …], rising from step
+    (weights [] where a mix was cleared)."""
     if not isinstance(raw_mixes, list):
         raise _bad("mixes is not a list")
     mixes: list[Mix] = []
@@ -679,7 +687,7 @@ def _mixes_from(raw_mixes: Any, version: int) -> list[Mix]:
         if not (isinstance(raw, list) and len(raw) == 3 and _int(raw[0]) and _int(raw[1], 1) and raw[1] <= version):
             raise _bad(f"mix {raw!r:.100} is not [from step, version, weights]")
         try:
-            weights = check_weights(raw[2])
+            weights = () if raw[2] == [] else check_weights(raw[2])
         except ValueError as e:
             raise _bad(f"mix {raw!r:.100}: {e}") from None
         if mixes and raw[0] <= mixes[-1].from_step:

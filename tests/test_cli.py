@@ -539,6 +539,7 @@ OUT_OF_RANGE = [
     ("reshape", "--world-size", 2, "--from-step", 2**64),
     ("reshape", "--world-size", 2**64),
     ("mix", "--weights", "a=1", "--from-step", 2**63),
+    ("mix", "--clear", "--from-step", 2**63),
     ("read", "--rank", 0, "--from-step", 2**64),
     ("read", "--rank", 2**63),
     ("rewind", "--to-step", 2**64),

@@ -102,7 +102,7 @@ def test_commits_under_a_mix_must_hold_its_shares_and_name_its_version() -> None
 
 @pytest.mark.parametrize(
     "weights",
-    [[], [["a", -1]], [["a", 0]], [["a", 1], ["a", 2]], [["a/b", 1]], [["a", "1"]], [["a", float("inf")]],
+    [[["a", -1]], [["a", 0]], [["a", 1], ["a", 2]], [["a/b", 1]], [["a", "1"]], [["a", float("inf")]],
      [["a", 1e308], ["b", 1e308]], [["a", 1.5e308], ["b", 1e308], ["c", 0]]],
 )  # fmt: skip
 def test_bad_weights_are_refused(weights: list[Any]) -> None:
@@ -111,6 +111,14 @@ def test_bad_weights_are_refused(weights: list[Any]) -> None:
     assert s.apply(2, data) is not None and s.mixes == []
     with pytest.raises(ValueError):
         decisions.mix(s, weights, now=0.0)
+
+
+def test_empty_weights_are_refused_where_a_mix_is_given() -> None:
+    """`[]` in a record clears a mixture (`weights` None in `decisions.mix`); given as weights, it is refused."""
+    s = state_with_producer()
+    for weights in ([], {}):
+        with pytest.raises(ValueError, match="1 to 256"):
+            decisions.mix(s, weights, now=0.0)  # type: ignore[arg-type]
 
 
 @given(st.lists(st.just(0.0) | st.floats(0, 1.7e308), min_size=1, max_size=8))
@@ -149,6 +157,133 @@ def test_a_tgb_sealed_under_other_weights_is_never_committed() -> None:
 
     with pytest.raises(lakestream.MixChanged, match="start again"):
         decisions.commit(s, "p", 1, [Pending()], 0, 0.0)  # type: ignore[list-item]
+
+
+# -- clearing a mix ------------------------------------------------------------------------------------
+
+mix_records_st = st.lists(
+    st.tuples(st.integers(0, 12), st.none() | st.lists(st.integers(0, 3), min_size=1, max_size=3)),
+    min_size=1,
+    max_size=8,
+)
+
+
+@given(mix_records_st)
+def test_a_mix_record_sets_the_mixture_from_its_step_on_and_an_empty_one_clears_it(
+    records: list[tuple[int, list[int] | None]],
+) -> None:
+    """The oracle: a mix record from step S sets every step from S on to its weights, or to no
+    mixture with none; `mix_at` agrees, through snapshots and each record's cross-check."""
+    s = state_with_producer()
+    oracle: list[tuple[tuple[str, float], ...] | None] = [None] * 16
+    for from_step, ws in records:
+        weights = () if ws is None else tuple((f"s{i}", float(w + 1)) for i, w in enumerate(ws))
+        record = MixRecord(from_step, weights)
+        assert s.apply(s.version + 1, encode_record(record)) is None
+        assert s.check_last_record(encode_record(record)) is None
+        oracle[from_step:] = [weights or None] * (16 - from_step)
+        s = State.from_json(s.to_json())
+    for step, want in enumerate(oracle):
+        m = s.mix_at(step)
+        assert (m.weights if m else None) == want, step
+
+
+def test_after_a_clear_tgbs_name_no_mix_and_a_tgb_sealed_for_the_cleared_mix_is_never_committed() -> None:
+    s = state_with_producer()
+    assert s.apply(2, encode_record(MixRecord(0, (("a", 1.0), ("b", 1.0))))) is None
+    assert s.apply(3, encode_record(tgb(0, 2, {"a": 5, "b": 5}))) is None
+    record = decisions.mix(s, None, now=0.0)  # clear from the step after the head
+    assert record == MixRecord(1, ()) and s.apply(4, encode_record(record)) is None
+    assert s.mix_at(0) is not None and s.mix_at(1) is None and s.mix_at(10**9) is None
+    assert decisions.mix(s, None, now=0.0) is None  # already clear: nothing to record
+    assert decisions.mix(s, None, from_step=7, now=0.0) is None
+    assert s.check(tgb(1, 2, {"a": 5, "b": 5})) is not None  # sealed for the cleared mix
+    assert s.check(tgb(1, None, {"a": 2, "b": 8})) is None  # named sources, no mix: any counts
+    assert s.check(tgb(1, None, None)) is None  # a plain producer's TGB
+
+    class Pending:
+        seq, ref = 1, tgb(1, 2, {"a": 5, "b": 5}).tgbs[0]
+
+    with pytest.raises(lakestream.MixChanged, match="under no mix"):
+        decisions.commit(s, "p", 1, [Pending()], 0, 0.0)  # type: ignore[list-item]
+    later = decisions.mix(s, [("a", 1)], from_step=5, now=0.0)
+    assert later is not None and s.apply(5, encode_record(later)) is None
+    assert decisions.mix(s, None, from_step=3, now=0.0) == MixRecord(3, ())  # clears the later one too
+    assert decisions.mix(s, None, from_step=5, now=0.0) == MixRecord(5, ())
+    again = State.from_json(s.to_json())
+    assert again.to_dict() == s.to_dict() and [m.weights for m in again.mixes] == [
+        (("a", 1.0), ("b", 1.0)),
+        (),
+        (("a", 1.0),),
+    ]
+    with pytest.raises(ValueError, match="not committed yet"):
+        decisions.mix(s, None, from_step=0, now=0.0)
+
+
+def test_snapshots_written_before_clears_existed_still_load() -> None:
+    s = state_with_producer()
+    assert s.apply(2, encode_record(MixRecord(3, (("a", 1.0),)))) is None
+    d = json.loads(s.to_json())
+    del d["sha256"]
+    assert d["mixes"] == [[3, 2, [["a", 1.0]]]]
+    assert State.from_json(json.dumps(d).encode()).mixes == s.mixes
+    d["mixes"] = [[3, 2, []]]
+    assert State.from_json(json.dumps(d).encode()).mix_at(3) is None
+
+
+# -- a source that ends, renormalised ---------------------------------------------------------------
+
+
+@given(
+    st.lists(st.integers(0, 4), min_size=2, max_size=6).filter(lambda ws: sum(ws[1:]) > 0),
+    st.integers(0, 3),
+    st.integers(0, 3),
+    st.booleans(),
+)
+def test_dropping_an_ended_source_is_one_record_whoever_asks_first(
+    ws: list[int], a_ahead: int, b_ahead: int, a_first: bool
+) -> None:
+    """Producers a and b both find source s0 ended and ask to go on without it, each from the step
+    it would take next: the first one records the mix without s0 (the others' weights unchanged);
+    the second records nothing if that mix is in force at its step, else the same weights from its
+    earlier step. Either way every step from the earlier one on holds no s0, every record is valid,
+    and asking again records nothing."""
+    s = state_with_producer()
+    weights = tuple((f"s{i}", float(w)) for i, w in enumerate(ws))
+    assert s.apply(2, encode_record(MixRecord(0, weights))) is None
+    want = tuple(w for w in weights if w[0] != "s0")
+    asks = [a_ahead, b_ahead] if a_first else [b_ahead, a_ahead]
+    records = []
+    for ahead in asks:
+        record = decisions.drop_source(s, "s0", from_step=s.head + 1 + ahead, now=0.0)
+        if record is not None:
+            assert s.check(record) is None and record.weights == want
+            assert s.apply(s.version + 1, encode_record(record)) is None
+            records.append(record)
+    if ws[0] == 0:  # s0 had no share: nothing to record
+        assert records == []
+        return
+    assert len(records) == 1 + (asks[1] < asks[0])
+    for step in range(min(asks), 20):
+        m = s.mix_at(step)
+        assert m is not None and m.weights == want, step
+        assert "s0" not in {n for n, c in mix_counts(m.weights, 10).items() if c}
+    assert all(decisions.drop_source(s, "s0", from_step=k, now=0.0) is None for k in range(min(asks), 20))
+
+
+def test_dropping_a_source_refuses_to_replace_a_later_mix_and_needs_another_weight() -> None:
+    s = state_with_producer()
+    assert s.apply(2, encode_record(MixRecord(0, (("a", 1.0), ("b", 1.0))))) is None
+    assert s.apply(3, encode_record(MixRecord(4, (("a", 1.0), ("b", 3.0))))) is None
+    with pytest.raises(lakestream.ConfigMismatch, match="recorded from step 4"):
+        decisions.drop_source(s, "a", from_step=0, now=0.0)
+    assert decisions.drop_source(s, "a", from_step=4, now=0.0) == MixRecord(4, (("b", 3.0),))
+    assert decisions.drop_source(s, "c", from_step=4, now=0.0) is None  # no share: nothing to drop
+    assert s.apply(4, encode_record(MixRecord(4, (("a", 1.0), ("b", 0.0))))) is None
+    with pytest.raises(ValueError, match="no other source of the mix has a weight"):
+        decisions.drop_source(s, "a", from_step=4, now=0.0)
+    assert s.apply(5, encode_record(MixRecord(4, ()))) is None
+    assert decisions.drop_source(s, "a", from_step=4, now=0.0) is None  # no mix in force
 
 
 def test_verify_checks_each_steps_sources_against_the_mix_in_force(tmp_path: Path) -> None:
@@ -380,3 +515,117 @@ def test_a_named_dir_source_refuses_shard_epochs_and_shuffle(tmp_path: Path) -> 
     assert anyio.run(lakestream.load_state, url).head == -1
     run_cli("produce", url, "--producer-id", "p", *sources, check=True)  # one producer reads it whole
     assert run_cli("verify", url).returncode == 0
+
+
+# -- clearing a mix and a source that ends, from the command line ----------------------------------------
+
+
+def wds_sources(tmp_path: Path, sizes: dict[str, int]) -> list[str]:
+    """`--source NAME=wds:…` options for sources of `sizes[name]` samples (2 shards each)."""
+    args = []
+    for i, (name, n) in enumerate(sizes.items()):
+        make_wds(tmp_path / name, 2, n // 2, seed=i)
+        args += ["--source", f"{name}=wds:{tmp_path}/{name}/train-{{000..001}}.tar"]
+    return args
+
+
+def source_counts(url: str) -> list[dict[str, int]]:
+    """Each step's samples per `__source__`."""
+    state = anyio.run(lakestream.load_state, url)
+    return [
+        dict(Counter(s["__source__"] for s in anyio.run(step_samples, url, step))) for step in range(state.head + 1)
+    ]
+
+
+def test_a_cleared_mix_lets_a_plain_producer_commit_again(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/s"
+    run_cli("init", url, "--world-size", 2, "--global-batch", 10, check=True)
+    make_wds(tmp_path / "plain", 2, 15)
+    plain = ["produce", url, "--producer-id", "plain", "--source", f"wds:{tmp_path}/plain/train-{{000..001}}.tar"]
+    run_cli("mix", url, "--weights", "web=1,code=1", check=True)
+    r = run_cli(*plain, check=False)
+    assert r.returncode == 1 and "under a mixture" in r.stderr and r.stderr.count("\n") == 1, describe(r)
+    r = run_cli("mix", url, "--clear", check=True)
+    assert (
+        r.stdout
+        == f"{url}: from step 0 no mixture is in force (plain producers commit; named ones draw equal shares)\n"
+    )
+    status = json.loads(run_cli("status", url, "--json", check=True).stdout)
+    assert [(m["from_step"], m["weights"], m["shares"]) for m in status["mixes"]] == [(0, {}, {})]  # replaced
+    run_cli(*plain, check=True)
+    state = anyio.run(lakestream.load_state, url)
+    assert state.head == 2 and sum(s.samples for s in state.steps) == 30 and state.mix_at(0) is None
+    run_cli("verify", url, check=True)
+    r = run_cli("mix", url, "--clear", "--weights", "a=1", check=False)
+    assert r.returncode == 2 and "not allowed with" in r.stderr, describe(r)
+
+
+def test_named_sources_after_a_clear_draw_equal_shares_and_stop_says_what_was_left(tmp_path: Path) -> None:
+    """Under the mix web 8 : code 2 for steps 0 and 1, then cleared: equal shares, TGBs naming no
+    mix, as before any mix. web (30) ends first; code and math are left, and the last line says so."""
+    url = f"file://{tmp_path}/s"
+    run_cli("init", url, "--world-size", 2, "--global-batch", 10, check=True)
+    sources = wds_sources(tmp_path, {"web": 30, "code": 40, "math": 40})
+    run_cli("mix", url, "--weights", "web=8,code=2", check=True)
+    run_cli("mix", url, "--clear", "--from-step", 2, check=True)
+    r = run_cli("produce", url, "--producer-id", "p", *sources, "--stats-json", check=True)
+    lines = r.stdout.splitlines()
+    assert lines[-1] == (
+        "source web ended; samples of code, math were left unread (--on-source-end renormalize goes on without web)"
+    ), describe(r)
+    figures = json.loads(lines[0])
+    assert (figures["ended"], figures["unread"]) == (["web"], ["code", "math"])
+    counts = source_counts(url)
+    # 16 web in steps 0-1, then 4 + 3 + 3 a step: web's last 14 go in steps 2-5, the last one short.
+    assert counts == [{"web": 8, "code": 2}] * 2 + [{"web": 4, "code": 3, "math": 3}] * 3 + [{"web": 2}], counts
+    state = anyio.run(lakestream.load_state, url)
+    assert state.mix_at(1) is not None and state.mix_at(2) is None
+    run_cli("verify", url, check=True)
+
+
+def test_renormalize_consumes_every_row_of_the_remaining_sources_once(stream_url: str, tmp_path: Path) -> None:
+    """web 60, code 40, math 20 under 5 : 3 : 2. math ends at step 10 (its open batch committed short),
+    the producer records web : code from step 11, web ends there, then code alone to its end: every
+    row of every source once, each step holding the shares of the mix in force; verify agrees."""
+    url = stream_url
+    run_cli("init", url, "--world-size", 2, "--global-batch", 10, check=True)
+    sizes = {"web": 60, "code": 40, "math": 20}
+    sources = wds_sources(tmp_path, sizes)
+    run_cli("mix", url, "--weights", "web=0.5,code=0.3,math=0.2", check=True)
+    produce = ["produce", url, "--producer-id", "p", *sources, "--on-source-end", "renormalize"]
+    r = run_cli(*produce, "--stats-json", check=True)
+    assert r.stdout.splitlines()[-1] == "sources math, web, code ended; no source has samples left", describe(r)
+    assert json.loads(r.stdout.splitlines()[0])["mix_restarts"] == 0
+    state = anyio.run(lakestream.load_state, url)
+    assert [(m.from_step, m.weights) for m in state.mixes] == [
+        (0, (("web", 0.5), ("code", 0.3), ("math", 0.2))),
+        (11, (("web", 0.5), ("code", 0.3))),
+        (12, (("code", 0.3),)),
+    ]
+    counts = source_counts(url)
+    assert counts == [{"web": 5, "code": 3, "math": 2}] * 10 + [{"web": 5, "code": 3}, {"web": 5}, {"code": 7}]
+    keys = [s["__key__"] for step in range(state.head + 1) for s in anyio.run(step_samples, url, step)]
+    want = [f"{name}-s{sh:03d}-{i:04d}" for name, n in sizes.items() for sh in range(2) for i in range(n // 2)]
+    assert sorted(keys) == sorted(want)  # every row once
+    run_cli("verify", url, check=True)
+    r = run_cli(*produce, check=True)  # again: every source is at its end, nothing more
+    assert anyio.run(lakestream.load_state, url).head == state.head and "no source has samples left" in r.stdout
+    r = run_cli("produce", url, "--producer-id", "q", "--synthetic", 5, "--on-source-end", "renormalize", check=False)
+    assert r.returncode == 1 and "--on-source-end applies to named sources" in r.stderr, describe(r)
+
+
+def test_renormalize_refuses_to_replace_a_later_mix_in_one_line(tmp_path: Path) -> None:
+    """web (20) ends at step 4 under 1 : 1; a mix from step 10 would be replaced by the record the
+    producer would append: it refuses, naming the step, with everything before committed."""
+    url = f"file://{tmp_path}/s"
+    run_cli("init", url, "--world-size", 2, "--global-batch", 10, check=True)
+    sources = wds_sources(tmp_path, {"web": 20, "code": 60})
+    run_cli("mix", url, "--weights", "web=1,code=1", check=True)
+    run_cli("mix", url, "--weights", "web=1,code=3", "--from-step", 10, check=True)
+    r = run_cli("produce", url, "--producer-id", "p", *sources, "--on-source-end", "renormalize", check=False)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, describe(r)
+    assert "source 'web' ended at step 4; renormalising the mix there would replace the one recorded from step 10" in (
+        r.stderr
+    ), describe(r)
+    assert source_counts(url) == [{"web": 5, "code": 5}] * 4
+    run_cli("verify", url, check=True)
