@@ -286,6 +286,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per step, and a summary, one per line")
     _metrics_options(p)
 
+    p = sub.add_parser("pack", help="pack the held leftovers now, as a producer of its own", description=(
+        "A producer whose source ends while others of the stream are still producing holds back its partial "
+        "last global batch (a leftover); the last one to finish packs them into whole global batches and one "
+        "short last step. When a producer will never finish (`status` names who the leftovers wait for), this "
+        "packs them now, under producer id --producer-id. Prints the steps committed."
+    ))  # fmt: skip
+    p.add_argument("url", help=url_help)
+    p.add_argument("--producer-id", default="pack", help="the id to pack under (default: pack)")
+
     p = sub.add_parser("status", help="show the manifest state", description=(
         "Show the stream's config, readable steps, producers with their cursors, checkpoints and malformed "
         "log records."
@@ -752,8 +761,22 @@ def status_dict(state: lakestream.State) -> dict[str, Any]:
         ],
         "checkpoints": [{"id": c.id, "step": c.step} for c in state.checkpoints],
         "watermark": state.watermark,
+        "finished": sorted(pid for pid, p in state.producers.items() if p.finished),
+        "leftovers": {
+            pid: {"samples": h.samples, "segment": h.ref.segment, "cursor": h.ref.cursor}
+            for pid, h in sorted(state.leftovers.items())
+        },
+        "waiting_for": state.unfinished() if state.leftovers else [],
         "rejected": [{"version": v, "reason": why} for v, why in state.rejected],
     }
+
+
+async def _pack(a: argparse.Namespace) -> int:
+    async with lakestream.open_producer(a.url, a.producer_id) as p:
+        held = sorted(p.manifest.state.leftovers)
+        steps = await p.pack(force=True)
+    print(_safe(f"packed the leftovers of {', '.join(held) or 'nobody'} into {steps} step(s)"))
+    return 0
 
 
 async def _status(a: argparse.Namespace) -> int:
@@ -766,6 +789,12 @@ async def _status(a: argparse.Namespace) -> int:
     print(f"  steps {d['first_step']}..{d['head_step']}, manifest version {d['version']}, watermark {d['watermark']}")
     for pid, p in d["producers"].items():
         print(_safe(f"  producer {pid}: epoch {p['epoch']}, seq {p['seq']}, cursor {p['cursor']!r}"))
+    for pid, h in d["leftovers"].items():
+        print(_safe(f"  held leftover of {pid}: {h['samples']} samples (cursor {h['cursor']!r})"))
+    if d["waiting_for"]:
+        print(_safe(
+            f"  the held leftovers wait for {', '.join(d['waiting_for'])} to finish (or `lakestream pack {a.url}`)"
+        ))  # fmt: skip
     for r in d["rejected"]:
         print(_safe(f"  malformed record at version {r['version']}: {r['reason']}"))
     return 0
@@ -787,7 +816,8 @@ async def _verify(a: argparse.Namespace) -> int:
         print(_safe(f"FAIL {problem}"))
     print(
         f"{'OK' if report.ok else 'FAILED'}: {a.url}: steps {report.first_step}..{report.head} ({report.steps}), "
-        f"{report.samples} samples, {report.bytes / 1e6:.1f} MB, version {report.version}, "
+        f"{report.samples} samples{f' (and {report.held} held)' if report.held else ''}, "
+        f"{report.bytes / 1e6:.1f} MB, version {report.version}, "
         f"{len(report.problems)} problems"
     )
     return 0 if report.ok else 1
@@ -872,7 +902,7 @@ def _umount(a: argparse.Namespace) -> int:
 
 
 COMMANDS = {
-    "init": _init, "produce": _produce, "read": _read, "status": _status, "verify": _verify, "demo": _demo,
+    "init": _init, "produce": _produce, "read": _read, "status": _status, "pack": _pack, "verify": _verify, "demo": _demo,
     "checkpoint": _checkpoint, "release": _release, "rewind": _rewind, "reshape": _reshape, "mix": _mix, "gc": _gc,
     "top": _top,
 }  # fmt: skip
