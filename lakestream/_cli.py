@@ -187,7 +187,9 @@ def _parser() -> argparse.ArgumentParser:
         "of this producer's files: if a file was added, removed or rewritten since, the run refuses "
         "(ConfigMismatch).\n\n"
         "The last global batch: when the source ends, its remaining samples are committed as a short last step "
-        "(fewer than the global batch; some ranks may get fewer samples, or none, at that step). --drop-last holds "
+        "(fewer than the global batch; some ranks may get fewer samples, or none, at that step); while other "
+        "producers of the stream are still producing it is held back, and the last of them to finish packs every "
+        "such batch, so that only the stream's last step is short. --drop-last holds "
         "them back instead: they stay uncommitted, and the next run of the same producer id starts with them."
     ))  # fmt: skip
     p.add_argument("url", help=url_help)
@@ -265,6 +267,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--split", metavar="NAME", default=None, help="as for produce")
     p.add_argument("--epochs", type=int, default=1, metavar="E", help="as for produce")
     p.add_argument("--shuffle-seed", type=int, default=None, metavar="S", help="as for produce")
+    p.add_argument("--drop-last", action="store_true",
+                   help="as for produce: each producer commits whole global batches only")  # fmt: skip
     p.add_argument("--max-restarts", type=int, default=-1, metavar="R",
                    help="restarts allowed per actor (-1: no limit)")  # fmt: skip
     p.add_argument("--ray-address", default=None, metavar="ADDRESS",
@@ -857,7 +861,7 @@ def _fleet(a: argparse.Namespace) -> int:
         report = run_fleet(
             a.url, a.source, a.producers, name=a.name, map=a.map, workers_per_producer=a.workers_per_producer,
             on_error=a.on_error, key_column=a.key_column, split=a.split, epochs=a.epochs,
-            shuffle_seed=a.shuffle_seed, max_restarts=a.max_restarts, ray_address=a.ray_address,
+            shuffle_seed=a.shuffle_seed, drop_last=a.drop_last, max_restarts=a.max_restarts, ray_address=a.ray_address,
             metrics_port=a.metrics_port, metrics_addr=a.metrics_addr,
         )  # fmt: skip
     print(orjson.dumps(report.to_dict()).decode() if a.json else report.summary())
