@@ -114,14 +114,14 @@ def pack_plan(
 
     `leftovers` are (producer, samples, each sample's source or None), in producer order;
     `shape(k)` is (global batch, each source's share or None outside a mixture) at the k-th TGB.
-    Without a mixture every sample is taken in that order (each producer's in its own order) and cut
+    Without a mixture (at the first TGB) every sample is taken in that order (each producer's in its own order) and cut
     into global batches, the last one short. Under a mixture each source's samples are taken in that
     order: a TGB is a whole global batch of the shares while every share can be met, then the rest
     goes into short TGBs of at most each share, so more than one TGB may be short when one source
     has more than its share left. Raises ValueError for samples of a source without a share in the mix in force.
     """
     out: list[list[tuple[str, int]]] = []
-    if all(src is None for _, _, src in leftovers):
+    if shape(0)[1] is None or all(src is None for _, _, src in leftovers):
         flat = [(pid, i) for pid, n, _ in leftovers for i in range(n)]
         at = 0
         while at < len(flat):
