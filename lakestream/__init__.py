@@ -137,7 +137,8 @@ async def load_state(target: Target) -> State:
 async def open_producer(target: Target, producer_id: str, **options: Any) -> AsyncIterator[Producer]:
     """Register a producer (fencing older incarnations of `producer_id`) and yield it.
 
-    Leaving the block normally commits everything put, including a final partial TGB; leaving it
+    Leaving the block normally commits everything put, including a final partial TGB (held back
+    while other producers of the stream are producing, packed by the last one to finish); leaving it
     with an exception abandons what was not committed yet. `producer.cursor` is where to resume
     the source. Options: cost (a function of the sample: balance ranks by it), max_inflight_bytes
     (bytes of sealed TGBs not committed yet; one TGB is always let through, so a producer holds at

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = ["assign_ranks", "mix_counts", "reslice"]
+__all__ = ["assign_ranks", "mix_counts", "pack_plan", "packed_cursor", "reslice"]
 
 
 def assign_ranks(costs: Sequence[float] | None, n: int, world_size: int) -> list[list[int]]:
@@ -103,3 +105,70 @@ def mix_counts(weights: Sequence[tuple[str, float]], batch: int) -> dict[str, in
     for i in order[: batch - sum(counts.values())]:
         counts[exact[i][0]] += 1
     return counts
+
+
+def pack_plan(
+    leftovers: Sequence[tuple[str, int, Sequence[str] | None]],
+    shape: Callable[[int], tuple[int, dict[str, int] | None]],
+) -> list[list[tuple[str, int]]]:
+    """How held leftovers are packed: each TGB's samples as (producer, index in its leftover).
+
+    `leftovers` are (producer, samples, each sample's source or None), in producer order;
+    `shape(k)` is (global batch, each source's share or None outside a mixture) at the k-th TGB.
+    Without a mixture (at the first TGB) every sample is taken in that order (each producer's in its own order) and cut
+    into global batches, the last one short. Under a mixture each source's samples are taken in that
+    order: a TGB is a whole global batch of the shares while every share can be met, then the rest
+    goes into short TGBs of at most each share, so more than one TGB may be short when one source
+    has more than its share left. Raises ValueError for samples of a source without a share in the mix in force.
+    """
+    out: list[list[tuple[str, int]]] = []
+    if shape(0)[1] is None or all(src is None for _, _, src in leftovers):
+        flat = [(pid, i) for pid, n, _ in leftovers for i in range(n)]
+        at = 0
+        while at < len(flat):
+            batch, _ = shape(len(out))
+            out.append(flat[at : at + batch])
+            at += batch
+        return out
+    pools: dict[str, deque[tuple[str, int]]] = {}
+    for pid, n, src in leftovers:
+        if src is None or len(src) != n:
+            raise ValueError(f"the leftover of {pid!r} names no source for some of its samples")
+        for i, name in enumerate(src):
+            pools.setdefault(name, deque()).append((pid, i))
+    while any(pools.values()):
+        _, shares = shape(len(out))
+        shares = shares or {}
+        tgb = [
+            pools[name].popleft()
+            for name, c in shares.items()
+            if name in pools
+            for _ in range(min(c, len(pools[name])))
+        ]
+        if not tgb:
+            left = sorted(name for name, pool in pools.items() if pool)
+            raise ValueError(f"samples of sources {left} have no share in the mix in force")
+        out.append(tgb)
+    return out
+
+
+def packed_cursor(cursors: Sequence[Any], sources: Sequence[str] | None, done: set[int], before: Any) -> Any:
+    """A producer's cursor once the samples `done` (indices) of its leftover are packed: after the
+    last of them when they are the first ones (else `before`, the cursor before the leftover).
+
+    Under a mixture they may be the first ones of each source rather than the first ones: the
+    pipeline's cursors `{"sources": {name: cursor}}` then compose, each source's cursor being the one
+    after its last packed sample; ValueError for other cursors.
+    """
+    k = 0
+    while k in done:
+        k += 1
+    if k == len(done):
+        return cursors[k - 1] if k else before
+    docs = [before, *cursors]
+    if sources is None or not all(isinstance(c, dict) and isinstance(c.get("sources"), dict) for c in docs if c):
+        raise ValueError("packed samples that are not the first ones of a leftover need cursors of named sources")
+    out = dict(before["sources"]) if before else {}
+    for i in sorted(done):
+        out[sources[i]] = cursors[i]["sources"].get(sources[i])
+    return {"sources": out}

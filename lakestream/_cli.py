@@ -202,7 +202,9 @@ def _parser() -> argparse.ArgumentParser:
         "of this producer's files: if a file was added, removed or rewritten since, the run refuses "
         "(ConfigMismatch).\n\n"
         "The last global batch: when the source ends, its remaining samples are committed as a short last step "
-        "(fewer than the global batch; some ranks may get fewer samples, or none, at that step). --drop-last holds "
+        "(fewer than the global batch; some ranks may get fewer samples, or none, at that step); while other "
+        "producers of the stream are still producing it is held back, and the last of them to finish packs every "
+        "such batch, so that only the stream's last step is short. --drop-last holds "
         "them back instead: they stay uncommitted, and the next run of the same producer id starts with them.\n\n"
         "Named sources (--source NAME=SPEC, repeated): every global batch holds each source's share by the mixture "
         "in force ('lakestream mix'; equal shares under none). When one of them ends, --on-source-end stop (the "
@@ -294,6 +296,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--split", metavar="NAME", default=None, help="as for produce")
     p.add_argument("--epochs", type=_integer, default=1, metavar="E", help="as for produce")
     p.add_argument("--shuffle-seed", type=_integer, default=None, metavar="S", help="as for produce")
+    p.add_argument("--drop-last", action="store_true",
+                   help="as for produce: each producer commits whole global batches only")  # fmt: skip
     p.add_argument("--max-restarts", type=_integer, default=-1, metavar="R",
                    help="restarts allowed per actor (-1: no limit)")  # fmt: skip
     p.add_argument("--ray-address", default=None, metavar="ADDRESS",
@@ -314,6 +318,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="last step, inclusive; waits for it to commit (default: the head at the start)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object per step, and a summary, one per line")
     _metrics_options(p)
+
+    p = sub.add_parser("pack", help="pack the held leftovers now, as a producer of its own", description=(
+        "A producer whose source ends while others of the stream are still producing holds back its partial "
+        "last global batch (a leftover); the last one to finish packs them into whole global batches and one "
+        "short last step. When a producer will never finish (`status` names who the leftovers wait for), this "
+        "packs them now, under producer id --producer-id. Prints the steps committed."
+    ))  # fmt: skip
+    p.add_argument("url", help=url_help)
+    p.add_argument("--producer-id", default="pack", help="the id to pack under (default: pack)")
 
     p = sub.add_parser("status", help="show the manifest state", description=(
         "Show the stream's config, readable steps, producers with their cursors, checkpoints and malformed "
@@ -826,6 +839,12 @@ def status_dict(state: lakestream.State) -> dict[str, Any]:
         ],
         "checkpoints": [{"id": c.id, "step": c.step} for c in state.checkpoints],
         "watermark": state.watermark,
+        "finished": sorted(pid for pid, p in state.producers.items() if p.finished),
+        "leftovers": {
+            pid: {"samples": h.samples, "segment": h.ref.segment, "cursor": h.ref.cursor}
+            for pid, h in sorted(state.leftovers.items())
+        },
+        "waiting_for": state.unfinished() if state.leftovers else [],
         "rejected": [{"version": v, "reason": why} for v, why in state.rejected],
     }
 
@@ -835,6 +854,14 @@ def _steps(first: int, head: int) -> str:
     if head >= first:
         return f"steps {first}..{head}"
     return "no steps yet" if head < 0 else f"no steps retained (the next is {head + 1})"
+
+
+async def _pack(a: argparse.Namespace) -> int:
+    async with lakestream.open_producer(a.url, a.producer_id) as p:
+        held = sorted(p.manifest.state.leftovers)
+        steps = await p.pack(force=True)
+    print(_safe(f"packed the leftovers of {', '.join(held) or 'nobody'} into {steps} step(s)"))
+    return 0
 
 
 async def _status(a: argparse.Namespace) -> int:
@@ -847,6 +874,12 @@ async def _status(a: argparse.Namespace) -> int:
     print(f"  {_steps(d['first_step'], d['head_step'])}, manifest version {d['version']}, watermark {d['watermark']}")
     for pid, p in d["producers"].items():
         print(_safe(f"  producer {pid}: epoch {p['epoch']}, seq {p['seq']}, cursor {p['cursor']!r}"))
+    for pid, h in d["leftovers"].items():
+        print(_safe(f"  held leftover of {pid}: {h['samples']} samples (cursor {h['cursor']!r})"))
+    if d["waiting_for"]:
+        print(_safe(
+            f"  the held leftovers wait for {', '.join(d['waiting_for'])} to finish (or `lakestream pack {a.url}`)"
+        ))  # fmt: skip
     for r in d["rejected"]:
         print(_safe(f"  malformed record at version {r['version']}: {r['reason']}"))
     return 0
@@ -868,7 +901,8 @@ async def _verify(a: argparse.Namespace) -> int:
         print(_safe(f"FAIL {problem}"))
     print(
         f"{'OK' if report.ok else 'FAILED'}: {a.url}: {_steps(report.first_step, report.head)} ({report.steps}), "
-        f"{report.samples} samples, {report.bytes / 1e6:.1f} MB, version {report.version}, "
+        f"{report.samples} samples{f' (and {report.held} held)' if report.held else ''}, "
+        f"{report.bytes / 1e6:.1f} MB, version {report.version}, "
         f"{len(report.problems)} problems"
     )
     return 0 if report.ok else 1
@@ -908,7 +942,7 @@ def _fleet(a: argparse.Namespace) -> int:
         report = run_fleet(
             a.url, a.source, a.producers, name=a.name, map=a.map, workers_per_producer=a.workers_per_producer,
             on_error=a.on_error, key_column=a.key_column, split=a.split, epochs=a.epochs,
-            shuffle_seed=a.shuffle_seed, max_restarts=a.max_restarts, ray_address=a.ray_address,
+            shuffle_seed=a.shuffle_seed, drop_last=a.drop_last, max_restarts=a.max_restarts, ray_address=a.ray_address,
             metrics_port=a.metrics_port, metrics_addr=a.metrics_addr,
         )  # fmt: skip
     print(orjson.dumps(report.to_dict()).decode() if a.json else report.summary())
@@ -969,7 +1003,7 @@ def _umount(a: argparse.Namespace) -> int:
 
 
 COMMANDS = {
-    "init": _init, "produce": _produce, "read": _read, "status": _status, "verify": _verify, "demo": _demo,
+    "init": _init, "produce": _produce, "read": _read, "status": _status, "pack": _pack, "verify": _verify, "demo": _demo,
     "checkpoint": _checkpoint, "release": _release, "rewind": _rewind, "reshape": _reshape, "mix": _mix, "gc": _gc,
     "top": _top,
 }  # fmt: skip

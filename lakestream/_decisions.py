@@ -23,6 +23,7 @@ from ._records import (
     CheckpointRecord,
     CommitRecord,
     CreateRecord,
+    FinishRecord,
     MixRecord,
     ReclaimRecord,
     RegisterRecord,
@@ -44,7 +45,9 @@ __all__ = [
     "create",
     "current_incarnation",
     "drop_source",
+    "finish",
     "mix",
+    "pack",
     "reclaim",
     "register",
     "release",
@@ -99,13 +102,67 @@ def commit(
     if not todo:
         return None  # all landed (an ambiguous put whose answer was lost)
     for i, t in enumerate(todo):
-        m = state.mix_at(state.head + 1 + i)
-        if t.ref.mix != (m.version if m else None):
-            raise MixChanged(
-                f"{url}: producer {producer!r}: TGB {t.seq} was sealed for mix version {t.ref.mix}, step "
-                f"{state.head + 1 + i} is under {m.version if m else 'no mix'}: start again from the committed cursor"
-            )
+        _check_mix(state, producer, t.seq, t.ref, state.head + 1 + i, url)
     return CommitRecord(producer, epoch, todo[0].seq, tuple(t.ref for t in todo), lost, now)
+
+
+def _check_mix(state: State, producer: str, seq: int, ref: TgbRef, step: int, url: str) -> None:
+    m = state.mix_at(step)
+    if ref.mix != (m.version if m else None):
+        raise MixChanged(
+            f"{url}: producer {producer!r}: TGB {seq} was sealed for mix version {ref.mix}, step "
+            f"{step} is under {m.version if m else 'no mix'}: start again from the committed cursor"
+        )
+
+
+def finish(
+    state: State,
+    producer: str,
+    epoch: int,
+    leftover: PendingTgb | None,
+    cursors: tuple[int, int, int] | None,
+    now: float,
+    url: str = "",
+) -> FinishRecord | None:
+    """The producer's source ended; `leftover` is its uploaded partial last global batch (and
+    `cursors` where its per-sample cursors are in that segment), held until every producer has
+    finished and the last one packs the held leftovers. None once this incarnation finished.
+    Raises ProducerFenced, MixChanged."""
+    p = current_incarnation(state, producer, epoch, url)
+    if p.finished:
+        return None  # an earlier attempt, whose answer was lost, landed
+    if leftover is None:
+        return FinishRecord(producer, epoch, p.seq, state.head, None, None, now)
+    _check_mix(state, producer, leftover.seq, leftover.ref, state.head + 1, url)
+    return FinishRecord(producer, epoch, leftover.seq, state.head, leftover.ref, cursors, now)
+
+
+def pack(
+    state: State,
+    producer: str,
+    epoch: int,
+    pending: Sequence[PendingTgb],
+    packs: Sequence[tuple[str, str]],
+    lost: int,
+    now: float,
+    *,
+    force: bool = False,
+    url: str = "",
+) -> CommitRecord | None:
+    """Commit the `pending` TGBs that pack the held leftovers `packs` ((producer, segment), all of
+    them, in producer order). None when they landed, or when they may no longer land: the held
+    leftovers are no longer exactly `packs` (packed by another, or given back by a producer that
+    registered again) or, unless `force`, a producer is producing again (the last to finish packs).
+    Raises ProducerFenced, MixChanged."""
+    p = current_incarnation(state, producer, epoch, url)
+    if pending[0].seq <= p.seq:
+        return None
+    held = sorted((pid, h.ref.segment) for pid, h in state.leftovers.items())
+    if held != list(packs) or (not force and state.unfinished()):
+        return None
+    for i, t in enumerate(pending):
+        _check_mix(state, producer, t.seq, t.ref, state.head + 1 + i, url)
+    return CommitRecord(producer, epoch, pending[0].seq, tuple(t.ref for t in pending), lost, now, tuple(packs))
 
 
 def checkpoint(state: State, checkpoint_id: str, step: int, now: float, url: str = "") -> CheckpointRecord | None:

@@ -20,7 +20,7 @@ async def run_demo(directory: str, a: argparse.Namespace) -> int:
     url = f"file://{directory}/stream"
     await lakestream.create(url, world_size=a.world_size, global_batch=a.global_batch, snapshot_every=100)
     total = a.producers * a.samples
-    steps_expected = sum(-(-a.samples // a.global_batch) for _ in range(a.producers))
+    steps_expected = -(-total // a.global_batch)  # the last producer to finish packs the others' partial batches
     print(
         f"demo: {a.producers} producers x {a.samples} samples (~{a.sample_size // 1024} KiB: image bytes, "
         f"caption, tokens, metadata) -> {a.world_size} ranks, global batch {a.global_batch}, stream {url}"

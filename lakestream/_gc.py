@@ -4,7 +4,7 @@ In this order, so that nothing readable is ever deleted:
 
 1. a `reclaim` record (`_decisions.reclaim`): steps below the watermark leave the manifest
    (readers asking for one get StepUnavailable naming the step and the watermark);
-2. segments no retained step references, if they can never be committed: their producer's
+2. segments no retained step nor held leftover references, if they can never be committed: their producer's
    committed `seq` is at least theirs (reclaimed, discarded by a rewind, or superseded), or their
    epoch is fenced; other unreferenced segments (uploads whose commit may still be on its way) only
    once both they and their producer's last record are older than the orphan grace. The listing is
@@ -67,11 +67,11 @@ class SegmentPlan:
 def plan_segments(state: State, segments: Mapping[str, int], *, below: int, now: float, grace: float) -> SegmentPlan:
     """Which listed `segments` (key -> size) may go, with steps below `below` taken as reclaimed.
 
-    Never one that a step from `below` on references, nor one that can still be committed (its
+    Never one that a step from `below` on references or a held leftover, nor one that can still be committed (its
     producer's current epoch, a sequence number above the committed one) unless both it and its
     producer's last record are older than `grace`. Keys that are not segment keys are left alone.
     """
-    referenced = {s.segment for s in state.steps if s.step >= below}
+    referenced = {s.segment for s in state.steps if s.step >= below} | {h.ref.segment for h in state.leftovers.values()}
     delete: dict[str, int] = {}
     kept = 0
     for key, size in segments.items():

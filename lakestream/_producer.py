@@ -16,6 +16,7 @@ import logging
 import math
 import time
 import uuid
+import zlib
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -27,15 +28,24 @@ import orjson
 
 from . import _decisions as decisions
 from . import _hooks
-from ._batching import assign_ranks
-from ._errors import InvalidSample, ObjectNotFound, ProducerFenced, SegmentLost
+from ._batching import assign_ranks, mix_counts, pack_plan, packed_cursor
+from ._errors import CorruptData, InvalidSample, ObjectNotFound, ProducerFenced, SegmentLost
 from ._layout import COST_FIELD, segment_key
 from ._manifest import Manifest
 from ._pacing import AttemptOutcome, CommitPolicy, Observation, make_policy
 from ._records import Record, TgbRef
 from ._retry import retry
-from ._segment import CHECKSUMS, DEFAULT_CHECKSUM, EncodedSample, dump_json, encode_sample, encode_segment
-from ._state import State
+from ._segment import (
+    CHECKSUMS,
+    DEFAULT_CHECKSUM,
+    EncodedSample,
+    check_slice,
+    dump_json,
+    encode_sample,
+    encode_segment,
+    index_slice,
+)
+from ._state import Leftover, State
 from ._store import ObjectStore
 from ._tasks import cancel_task_group, enter_task_group
 
@@ -122,6 +132,8 @@ class Producer:
         self._sources: dict[str, int] = {}  # samples of the open batch per named source
         self._mix: int | None = None  # the mix version the open batch is sealed for
         self._costs: list[float] = []
+        self._cursors: list[Any] = []  # each sample's cursor, for a leftover
+        self._names: list[str | None] = []  # each sample's source, for a leftover
         self._keys: set[str] = set()
         self._last_cursor: Any = None
         self._pending: deque[_Tgb] = deque()
@@ -249,6 +261,8 @@ class Producer:
         if source is not None:
             self._sources[source] = self._sources.get(source, 0) + 1
         self._samples.append(enc)
+        self._cursors.append(cursor)
+        self._names.append(source)
         self._keys.add(enc.key)
         self._last_cursor = cursor
         self.stats.samples += 1
@@ -272,13 +286,106 @@ class Producer:
         self._check()
 
     async def close(self) -> None:
-        """Commit everything, including a final partial TGB (the end of a finite source)."""
+        """The source ended: commit every whole TGB, then record that this producer finished
+        (`finish`), handing in a final partial TGB as its leftover. At most one step of a stream,
+        its last, is short: leftovers are held until every producer of the stream has finished,
+        and the last one to finish packs them (`pack`), a lone producer its own short last step."""
         self._check()
-        if self._samples:
-            await self._seal()
         await self.flush()
+        leftover = await self._upload_leftover() if self._samples else None
+        await self._finish(leftover)
+        state = self.manifest.state
+        if state.leftovers and not state.unfinished():
+            await self.pack()
         self._closing = True
         self._notify()
+
+    async def pack(self, *, force: bool = False) -> int:
+        """Pack every held leftover into TGBs of this producer, committed in one record; the steps
+        committed (0 if another producer packed them first, or one produces again: the last to
+        finish packs). Every TGB but the last is a whole global batch (under a mixture, see
+        `_batching.pack_plan`). `force` packs even while producers of the stream have not finished
+        (`lakestream pack`). Raises CorruptData for a leftover segment that fails its checks."""
+        self._check()
+        state = self.manifest.state
+        held = sorted(state.leftovers.items())
+        if not held or (not force and state.unfinished()):
+            return 0
+        parts = {pid: await self._read_leftover(pid, h) for pid, h in held}
+        head = state.head
+
+        def shape(k: int) -> tuple[int, dict[str, int] | None]:
+            batch, m = state.batch_at(head + 1 + k), state.mix_at(head + 1 + k)
+            return batch, mix_counts(m.weights, batch) if m else None
+
+        try:
+            plan = pack_plan([(pid, len(parts[pid][0]), parts[pid][2]) for pid, _ in held], shape)
+        except ValueError as e:
+            raise InvalidSample(
+                f"{self.manifest.url}: producer {self.id!r} cannot pack the held leftovers: {e}"
+            ) from None
+        done: dict[str, set[int]] = {pid: set() for pid, _ in held}
+        pending = []
+        for k, tgb in enumerate(plan):
+            step = head + 1 + k
+            samples = [parts[pid][0][i] for pid, i in tgb]
+            if len({s.key for s in samples}) != len(samples):
+                raise InvalidSample(
+                    f"{self.manifest.url}: producer {self.id!r}: a sample key repeats in the held leftovers"
+                )
+            costs = (
+                [(parts[pid][3] or [0.0] * (i + 1))[i] for pid, i in tgb] if any(p[3] for p in parts.values()) else None
+            )
+            ranks = assign_ranks(costs, len(samples), state.world_at(step))
+            data, slices = await anyio.to_thread.run_sync(
+                encode_segment, [[samples[i] for i in r] for r in ranks], self._checksum
+            )
+            seq, self._next_seq = self._next_seq, self._next_seq + 1
+            key = segment_key(self.id, self.epoch, seq, self._wall())
+            await retry(lambda: self.store.put(key, data), attempts=None, on_error=self._metrics.upload_failed)
+            self._metrics.uploaded(len(data))
+            counts: dict[str, int] = {}
+            for pid, i in tgb:
+                counts[pid] = counts.get(pid, 0) + 1
+                done[pid].add(i)
+            try:
+                packed = tuple(
+                    (pid, n, packed_cursor(parts[pid][1], parts[pid][2], done[pid], state.leftovers[pid].before))
+                    for pid, n in sorted(counts.items())
+                )
+            except ValueError as e:
+                raise InvalidSample(f"{self.manifest.url}: producer {self.id!r} cannot pack: {e}") from None
+            m = state.mix_at(step)
+            names: dict[str, int] = {}
+            for pid, i in tgb:
+                if (src := parts[pid][2]) is not None:
+                    names[src[i]] = names.get(src[i], 0) + 1
+            ref = TgbRef(
+                key, tuple((r[0], r[1], r[2], r[3]) for r in slices), None, m.version if m else None,
+                tuple(sorted(names.items())) if m else None, self._checksum, packed,
+            )  # fmt: skip
+            pending.append(decisions.PendingTgb(seq, ref))
+        packs = [(pid, h.ref.segment) for pid, h in held]
+
+        def decide(state: State, lost: int) -> Record | None:
+            return decisions.pack(
+                state, self.id, self.epoch, pending, packs, lost, self._wall(), force=force, url=self.manifest.url
+            )
+
+        result = await self.manifest.append(decide)
+        self._metrics.appended(result)
+        self._drop_committed(self.manifest.state)
+        if result.version is not None:
+            self._appended(result.version)
+        if self._committed_seq < pending[-1].seq:
+            log.info("%s: producer %s left the held leftovers to another producer", self.manifest.url, self.id)
+            return 0
+        self.stats.tgbs_committed += len(pending)
+        log.info(
+            "%s: producer %s packed the leftovers of %s into %d step(s)",
+            self.manifest.url, self.id, ", ".join(pid for pid, _ in held), len(pending),
+        )  # fmt: skip
+        return len(pending)
 
     @property
     def policy_name(self) -> str:
@@ -289,6 +396,82 @@ class Producer:
         return self._committed_seq
 
     # -- internals -----------------------------------------------------------------------------
+
+    async def _upload_leftover(self) -> tuple[decisions.PendingTgb, tuple[int, int, int]]:
+        """Upload the open partial batch as this producer's leftover: one slice of its samples, then
+        each sample's cursor, source and cost as JSON (what a packer needs to cut it anywhere)."""
+        samples, self._samples = self._samples, []
+        costs = self._costs + [0.0] * (len(samples) - len(self._costs)) if self._costs else None
+        cursors, names = self._cursors, self._names
+        sources = tuple(sorted(self._sources.items())) if self._sources else None
+        self._costs, self._cursors, self._names, self._keys, self._sources = [], [], [], set(), {}
+        side = orjson.dumps({
+            "cursors": cursors, "sources": names if any(n is not None for n in names) else None, "costs": costs,
+        })  # fmt: skip
+        # Format 1 (arrays as .npy fields): a packer copies the samples' fields as they are stored.
+        data, slices = await anyio.to_thread.run_sync(lambda: encode_segment([samples], self._checksum, version=1))
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        key = segment_key(self.id, self.epoch, seq, self._wall())
+        blob = data + side
+        await retry(lambda: self.store.put(key, blob), attempts=None, on_error=self._metrics.upload_failed)
+        self._metrics.uploaded(len(blob))
+        self.stats.bytes_uploaded += len(blob)
+        ref = TgbRef(key, (tuple(slices[0]),), self._last_cursor, self._mix, sources, self._checksum)  # type: ignore[arg-type]
+        return decisions.PendingTgb(seq, ref), (len(data), len(side), zlib.crc32(side))
+
+    async def _finish(self, leftover: tuple[decisions.PendingTgb, tuple[int, int, int]] | None) -> None:
+        tgb, cursors = leftover if leftover is not None else (None, None)
+
+        def decide(state: State, _: int) -> Record | None:
+            return decisions.finish(state, self.id, self.epoch, tgb, cursors, self._wall(), self.manifest.url)
+
+        result = await self.manifest.append(decide)
+        self._metrics.appended(result)
+        self._drop_committed(self.manifest.state)
+        if result.version is not None:
+            self._appended(result.version)
+
+    async def _read_leftover(
+        self, pid: str, held: Leftover
+    ) -> tuple[list[EncodedSample], list[Any], list[str] | None, list[float] | None]:
+        """A held leftover's samples (as stored), and each one's cursor, source and cost; its segment
+        is untrusted: checked against the finish record (CRC-32s, sizes, counts). Raises CorruptData."""
+        segment = held.ref.segment
+        where = f"{self.manifest.url}: the leftover of producer {pid!r} object {segment}"
+        offset, length, crc, n = held.ref.ranks[0]
+        at, size, crc2 = held.cursors
+        try:
+            data = await retry(lambda: self.store.get(segment))
+        except ObjectNotFound:
+            raise CorruptData(f"{where}: segment object is missing") from None
+        if len(data) != at + size:
+            raise CorruptData(f"{where}: {len(data)} bytes, the finish record says {at + size}")
+        view = memoryview(data)
+        check_slice(view[offset : offset + length], crc, where, held.ref.checksum)
+        check_slice(view[at:], crc2, f"{where} (cursors)")
+        refs = index_slice(view[offset : offset + length], where)
+        samples: list[EncodedSample] = []
+        for r in refs:
+            if not samples or samples[-1].key != r.key:
+                samples.append(EncodedSample(r.key, ()))
+            field = (r.field, r.tag, bytes(view[offset + r.offset : offset + r.offset + r.length]))
+            samples[-1] = EncodedSample(r.key, (*samples[-1].fields, field))
+        try:
+            side = orjson.loads(view[at:])
+        except orjson.JSONDecodeError as e:
+            raise CorruptData(f"{where}: cursors are not JSON ({e})") from None
+        cursors, names, costs = (
+            (side.get(k) for k in ("cursors", "sources", "costs")) if isinstance(side, dict) else (None,) * 3
+        )
+        if not (
+            len(samples) == n and isinstance(cursors, list) and len(cursors) == n
+            and (names is None or (isinstance(names, list) and len(names) == n and all(isinstance(x, str) for x in names)))
+            and (costs is None or (isinstance(costs, list) and len(costs) == n
+                                   and all(type(x) is float and math.isfinite(x) and x >= 0 for x in costs)))
+            and (n == 0 or cursors[-1] == held.ref.cursor)
+        ):  # fmt: skip
+            raise CorruptData(f"{where}: its samples, cursors, sources or costs do not match the finish record's {n}")
+        return samples, cursors, names, costs
 
     def _check(self) -> None:
         if self._error is not None:
@@ -315,6 +498,7 @@ class Producer:
         samples, self._samples = self._samples, []
         costs, self._costs = (self._costs or None), []
         self._keys = set()
+        self._cursors, self._names = [], []
         sources, self._sources = (tuple(sorted(self._sources.items())) if self._sources else None), {}
         tgb = _Tgb(
             self._next_seq, samples, costs, self._last_cursor, sum(s.nbytes for s in samples), self._clock(),

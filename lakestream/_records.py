@@ -25,6 +25,7 @@ __all__ = [
     "CheckpointRecord",
     "CommitRecord",
     "CreateRecord",
+    "FinishRecord",
     "MixRecord",
     "ReclaimRecord",
     "Record",
@@ -43,6 +44,7 @@ PRODUCER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_CHECKPOINT_ID = 256
 MAX_SEGMENT_KEY = 1024
 CHECKSUM_BITS = {"crc32": 32, "xxh3-64": 64}  # the checksums a TGB's slices may have, and their widths
+MAX_PACKED = 65536  # producers whose leftovers one packed TGB holds
 
 
 class RecordError(ValueError):
@@ -79,7 +81,9 @@ class RegisterRecord:
 class TgbRef:
     """One TGB of a commit: its segment, each rank's (offset, length, checksum, samples), the cursor;
     under a mixture, the version of the `mix` record it was sealed for and its samples per source;
-    the checksum its slices have (`CHECKSUM_BITS`; absent from the record: `crc32`)."""
+    the checksum its slices have (`CHECKSUM_BITS`; absent from the record: `crc32`). A TGB of a
+    commit that packs leftovers has `packed`: (producer, samples, cursor) of each producer whose
+    leftover samples it holds, the cursor being that producer's after them."""
 
     segment: str
     ranks: tuple[tuple[int, int, int, int], ...]
@@ -87,6 +91,7 @@ class TgbRef:
     mix: int | None = None
     sources: tuple[tuple[str, int], ...] | None = None
     checksum: str = "crc32"
+    packed: tuple[tuple[str, int, Any], ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = {"segment": self.segment, "ranks": [list(r) for r in self.ranks], "cursor": self.cursor}
@@ -96,12 +101,17 @@ class TgbRef:
             d["mix"] = self.mix
         if self.sources is not None:
             d["sources"] = [list(x) for x in self.sources]
+        if self.packed is not None:
+            d["packed"] = [list(x) for x in self.packed]
         return d
 
 
 @dataclass(frozen=True, slots=True)
 class CommitRecord:
-    """TGBs `seq`, `seq + 1` … of a producer, appended as the next steps in this order."""
+    """TGBs `seq`, `seq + 1` … of a producer, appended as the next steps in this order.
+
+    With `packs` ((producer, leftover segment), …) the TGBs hold those held leftovers' samples
+    (each TGB says whose in `packed`), and the commit consumes the leftovers."""
 
     producer: str
     epoch: int
@@ -109,12 +119,39 @@ class CommitRecord:
     tgbs: tuple[TgbRef, ...]
     lost: int = 0  # races this commit lost before it landed (what commit pacing listens to)
     ts: float = 0.0
+    packs: tuple[tuple[str, str], ...] = ()
     kind: ClassVar[str] = "commit"
 
     def members(self) -> dict[str, Any]:
         return {
             "producer": self.producer, "epoch": self.epoch, "seq": self.seq, "ts": self.ts, "lost": self.lost,
             "tgbs": [t.to_dict() for t in self.tgbs],
+        } | ({"packs": [list(x) for x in self.packs]} if self.packs else {})  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class FinishRecord:
+    """The producer's source ended. `leftover` (sequence number `seq`, the committed one + 1) is its
+    partial last global batch, held until every producer has finished and one of them packs the
+    held leftovers; its segment holds one slice of the samples, then at `cursors` (offset, length,
+    crc32) the JSON object {"cursors": [...], "sources": [...] | null, "costs": [...] | null} of
+    each sample's cursor, source and cost. Without a leftover, `seq` is the committed one. `head`
+    is the stream's head where it lands (what a snapshot at its version is checked against)."""
+
+    producer: str
+    epoch: int
+    seq: int
+    head: int
+    leftover: TgbRef | None = None
+    cursors: tuple[int, int, int] | None = None
+    ts: float = 0.0
+    kind: ClassVar[str] = "finish"
+
+    def members(self) -> dict[str, Any]:
+        return {
+            "producer": self.producer, "epoch": self.epoch, "seq": self.seq, "head": self.head,
+            "leftover": self.leftover.to_dict() if self.leftover is not None else None,
+            "cursors": list(self.cursors) if self.cursors is not None else None, "ts": self.ts,
         }  # fmt: skip
 
 
@@ -241,7 +278,7 @@ class ReshapeRecord:
 
 Record = (
     CreateRecord | RegisterRecord | CommitRecord | CheckpointRecord | ReleaseRecord | ReclaimRecord | RewindRecord
-    | ReshapeRecord | MixRecord
+    | ReshapeRecord | MixRecord | FinishRecord
 )  # fmt: skip
 
 
@@ -311,7 +348,17 @@ def _tgb(f: _Fields, t: Any) -> TgbRef:
             f"{f.what}: bad sources {sources!r:.100}",
         )  # fmt: skip
         sources = tuple((x[0], x[1]) for x in sources)
-    return TgbRef(t["segment"], tuple(out), t.get("cursor"), mix, sources, checksum)
+    packed = t.get("packed")
+    if packed is not None:
+        f.need(
+            isinstance(packed, list) and 0 < len(packed) <= MAX_PACKED
+            and all(isinstance(x, list) and len(x) == 3 and isinstance(x[0], str) and PRODUCER_ID.match(x[0])
+                    and type(x[1]) is int and x[1] > 0 for x in packed)
+            and len({x[0] for x in packed}) == len(packed),
+            f"{f.what}: bad packed {packed!r:.100}",
+        )  # fmt: skip
+        packed = tuple((x[0], x[1], x[2]) for x in packed)
+    return TgbRef(t["segment"], tuple(out), t.get("cursor"), mix, sources, checksum, packed)
 
 
 def decode_record(data: bytes) -> Record:
@@ -344,7 +391,34 @@ def decode_record(data: bytes) -> Record:
         lost = f.int("lost", why=f"commit {pid}: lost must be a count, not {r.get('lost')!r}") if "lost" in r else 0
         tgbs: Any = r.get("tgbs")
         f.need(isinstance(tgbs, list) and len(tgbs) > 0, f"commit {pid}: tgbs must be a non-empty list")
-        return CommitRecord(str(pid), epoch, seq, tuple(_tgb(f, t) for t in tgbs), lost, f.ts())
+        packs: Any = r.get("packs", [])
+        f.need(
+            isinstance(packs, list) and len(packs) <= MAX_PACKED
+            and all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and segment_key_ok(x[1])
+                    for x in packs) and len({x[0] for x in packs}) == len(packs),
+            f"commit {pid}: bad packs {packs!r:.100}",
+        )  # fmt: skip
+        refs = tuple(_tgb(f, t) for t in tgbs)
+        f.need(all((t.packed is not None) == bool(packs) for t in refs),
+               f"commit {pid}: a TGB names packed samples, or not, unlike its commit's packs")  # fmt: skip
+        return CommitRecord(str(pid), epoch, seq, refs, lost, f.ts(), tuple((x[0], x[1]) for x in packs))
+    if kind == "finish":
+        pid = r.get("producer")
+        f.need(isinstance(pid, str), f"finish: producer {pid!r} is not registered")
+        f.what = f"finish {pid}"
+        epoch, seq, head = f.int("epoch"), f.int("seq", -1), f.int("head", -1)
+        raw, cur = r.get("leftover"), r.get("cursors")
+        if raw is None:
+            f.need(cur is None, f"finish {pid}: cursors without a leftover")
+            return FinishRecord(str(pid), epoch, seq, head, None, None, f.ts())
+        left = _tgb(f, raw)
+        f.need(len(left.ranks) == 1 and left.packed is None, f"finish {pid}: a leftover is one slice of samples")
+        f.need(
+            isinstance(cur, list) and len(cur) == 3 and all(type(x) is int and x >= 0 for x in cur),
+            f"finish {pid}: bad cursors {cur!r:.100}",
+        )
+        assert isinstance(cur, list)
+        return FinishRecord(str(pid), epoch, seq, head, left, (cur[0], cur[1], cur[2]), f.ts())
     if kind == "checkpoint":
         cid = r.get("id")
         f.need(isinstance(cid, str) and 0 < len(cid) <= MAX_CHECKPOINT_ID, f"checkpoint: bad id {cid!r}")

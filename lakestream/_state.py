@@ -56,6 +56,7 @@ from ._records import (
     CheckpointRecord,
     CommitRecord,
     CreateRecord,
+    FinishRecord,
     MixRecord,
     ReclaimRecord,
     Record,
@@ -65,6 +66,8 @@ from ._records import (
     ReshapeRecord,
     RewindRecord,
     TgbRef,
+    _Fields,
+    _tgb,
     check_weights,
     decode_record,
 )
@@ -73,6 +76,7 @@ __all__ = [
     "FORMAT_VERSION",
     "LIMITS",
     "Config",
+    "Leftover",
     "ProducerState",
     "RankSlice",
     "State",
@@ -104,6 +108,9 @@ class Step:
     cursor: Any
     ts: float
     checksum: str = "crc32"  # what `RankSlice.digest` is: `crc32` or `xxh3-64`
+    # A step that packs leftovers: (producer, samples, cursor) of each producer whose leftover
+    # samples it holds, the cursor being that producer's after them; `cursor` is then not used.
+    packed: tuple[tuple[str, int, Any], ...] | None = None
 
     @property
     def samples(self) -> int:
@@ -114,17 +121,48 @@ class Step:
         return sum(r.length for r in self.ranks)
 
     def to_list(self) -> list[Any]:
-        """The snapshot's entry: 9 items, and the checksum as a 10th unless it is `crc32`."""
+        """The snapshot's entry: 9 items, then the checksum unless it is `crc32` and nothing follows, then `packed`."""
         return [
             self.step, self.version, self.segment, self.producer, self.epoch, self.seq,
-            [[r.offset, r.length, r.digest, r.samples] for r in self.ranks], self.cursor, self.ts,
-        ] + ([self.checksum] if self.checksum != "crc32" else [])  # fmt: skip
+            [[r.offset, r.length, r.digest, r.samples] for r in self.ranks], self.cursor, self.ts, *self._extra(),
+        ]  # fmt: skip
+
+    def _extra(self) -> list[Any]:
+        """The entry's optional items after `ts`: the checksum (when not CRC-32, or before `packed`),
+        then `packed` (a step that packs leftovers)."""
+        if self.packed is not None:
+            return [self.checksum, [list(x) for x in self.packed]]
+        return [self.checksum] if self.checksum != "crc32" else []
 
     @classmethod
     def from_list(cls, v: list[Any]) -> Step:
-        step, version, segment, producer, epoch, seq, ranks, cursor, ts, *checksum = v
+        step, version, segment, producer, epoch, seq, ranks, cursor, ts, *extra = v
+        checksum = extra[0] if extra else "crc32"
+        pk = tuple((x[0], x[1], x[2]) for x in extra[1]) if len(extra) > 1 else None
         return cls(step, version, segment, producer, epoch, seq, tuple(RankSlice(*r) for r in ranks), cursor, ts,
-                   *checksum)  # fmt: skip
+                   checksum, pk)  # fmt: skip
+
+    def cursors(self) -> list[tuple[str, Any]]:
+        """(producer, cursor after this step) of each producer whose samples it holds."""
+        if self.packed is not None:
+            return [(pid, cursor) for pid, _, cursor in self.packed]
+        return [(self.producer, self.cursor)]
+
+
+@dataclass(frozen=True, slots=True)
+class Leftover:
+    """A finished producer's partial last global batch, held until it is packed (see `FinishRecord`)."""
+
+    ref: TgbRef  # its segment, its one slice of samples, the producer's cursor after it; mix and sources
+    cursors: tuple[int, int, int]  # (offset, length, crc32) of each sample's cursor, source and cost
+    before: Any  # the producer's cursor before it: what a new incarnation resumes from
+
+    @property
+    def samples(self) -> int:
+        return self.ref.ranks[0][3]
+
+    def to_list(self) -> list[Any]:
+        return [self.ref.to_dict(), list(self.cursors), self.before]
 
 
 @dataclass(slots=True)
@@ -138,13 +176,14 @@ class ProducerState:
     tgbs: int = 0
     base_cursor: Any = None  # its cursor after its last reclaimed TGB (what a rewind falls back to)
     lost: int = 0  # races its last commit lost before it landed (what commit pacing listens to)
+    finished: bool = False  # its source ended (a `finish` record), and it has not registered since
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch, "seq": self.seq, "cursor": self.cursor, "token": self.token,
             "last_ts": self.last_ts, "commits": self.commits, "tgbs": self.tgbs, "base_cursor": self.base_cursor,
             "lost": self.lost,
-        }  # fmt: skip
+        } | ({"finished": True} if self.finished else {})  # fmt: skip
 
 
 class _Reject(Exception):
@@ -198,6 +237,7 @@ class State:
     rejected: list[tuple[int, str]] = field(default_factory=list)
     shapes: list[tuple[int, int, int]] = field(default_factory=list)  # (from step, world, batch), rising step
     mixes: list[Mix] = field(default_factory=list)  # rising from step
+    leftovers: dict[str, Leftover] = field(default_factory=dict)  # held, by producer
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -245,6 +285,11 @@ class State:
         i = n - self.first_step
         return self.steps[i] if 0 <= i < len(self.steps) else None
 
+    def unfinished(self, but: str | None = None) -> list[str]:
+        """The producers still producing (no `finish` since they registered), `but` aside: who the
+        held leftovers wait for."""
+        return sorted(pid for pid, p in self.producers.items() if not p.finished and pid != but)
+
     # -- the transition function ---------------------------------------------------------------
 
     def apply(self, version: int, data: bytes) -> str | None:
@@ -286,6 +331,10 @@ class State:
             _need(r.epoch == want, f"register {r.producer}: epoch {r.epoch!r} is not {want}")
         elif isinstance(r, CommitRecord):
             self._validate_commit(r, self.config)
+            if r.packs:
+                self._validate_packs(r)
+        elif isinstance(r, FinishRecord):
+            self._validate_finish(r)
         elif isinstance(r, CheckpointRecord):
             cid, step = r.id, r.step
             _need(self.first_step <= step <= self.head, f"checkpoint {cid}: step {step} is not retained")
@@ -338,6 +387,59 @@ class State:
             _need(0 < samples <= batch, f"commit {pid}: a TGB of {samples} samples (global batch {batch})")
             self._validate_mix(pid, self.head + 1 + i, t, samples, batch)
 
+    def _validate_finish(self, r: FinishRecord) -> None:
+        pid = r.producer
+        p = self.producers.get(pid)
+        _need(p is not None, f"finish: producer {pid!r} is not registered")
+        assert p is not None
+        _need(r.epoch == p.epoch, f"finish {pid}: epoch {r.epoch!r} is fenced by {p.epoch}")
+        _need(not p.finished, f"finish {pid}: epoch {p.epoch} already finished")
+        _need(r.head == self.head, f"finish {pid}: head {r.head} is not the head {self.head}")
+        t = r.leftover
+        if t is None:
+            _need(r.seq == p.seq, f"finish {pid}: seq {r.seq!r} is not the committed one ({p.seq})")
+            return
+        _need(r.seq == p.seq + 1, f"finish {pid}: seq {r.seq!r} is not the next ({p.seq + 1})")
+        assert r.cursors is not None
+        offset, length, crc, n = t.ranks[0]
+        step, batch = self.head + 1, self.batch_at(self.head + 1)
+        _need(
+            offset == 0 and length < 1 << 62 and crc < 1 << 32, f"finish {pid}: bad leftover slice {list(t.ranks[0])}"
+        )
+        _need(0 < n < batch, f"finish {pid}: a leftover of {n} samples (global batch {batch})")
+        at, size, crc = r.cursors
+        _need(at == length and size < 1 << 62 and crc < 1 << 32, f"finish {pid}: bad cursors {list(r.cursors)}")
+        self._validate_mix(pid, step, t, n, batch)
+
+    def _validate_packs(self, r: CommitRecord) -> None:
+        """A commit that packs held leftovers: each named one is held, and the TGBs hold a prefix of
+        each one's samples (all of them, unless the packer dropped the rest) and nothing else."""
+        pid = r.producer
+        packs = dict(r.packs)
+        for owner, segment in r.packs:
+            held = self.leftovers.get(owner)
+            _need(held is not None and held.ref.segment == segment,
+                  f"commit {pid}: the leftover {segment} of {owner!r} is not held (packed already, or given back)")  # fmt: skip
+        taken: dict[str, int] = {}
+        last: dict[str, Any] = {}
+        for t in r.tgbs:
+            assert t.packed is not None
+            samples = sum(x[3] for x in t.ranks)
+            _need(sum(n for _, n, _ in t.packed) == samples,
+                  f"commit {pid}: a packed TGB of {samples} samples names {t.packed!r:.200}")  # fmt: skip
+            for owner, n, cursor in t.packed:
+                _need(
+                    owner in packs, f"commit {pid}: a TGB holds samples of {owner!r}, whose leftover it does not pack"
+                )
+                taken[owner] = taken.get(owner, 0) + n
+                last[owner] = cursor
+        for owner in packs:
+            held = self.leftovers[owner]
+            got = taken.get(owner, 0)
+            _need(got <= held.samples, f"commit {pid}: {got} samples of {owner!r}'s leftover of {held.samples}")
+            _need(got < held.samples or last[owner] == held.ref.cursor,
+                  f"commit {pid}: {owner!r}'s cursor after its whole leftover is not the leftover's")  # fmt: skip
+
     def _validate_mix(self, pid: str, step: int, t: TgbRef, samples: int, batch: int) -> None:
         """Under a mixture a TGB names the mix it was sealed for and holds each source's share; under
         none (before the first mix, or from a cleared one on) it names no mix."""
@@ -361,8 +463,24 @@ class State:
         elif isinstance(r, RegisterRecord):
             p = self.producers.setdefault(r.producer, ProducerState())
             p.epoch, p.token, p.last_ts = r.epoch, r.token, r.ts
+            p.finished = False
+            # A held leftover goes back to its source: the new incarnation produces it again, so a
+            # producer's held samples are always its newest (what a rewind's cursors rely on).
+            if (held := self.leftovers.pop(r.producer, None)) is not None:
+                p.cursor = held.before
+        elif isinstance(r, FinishRecord):
+            p = self.producers[r.producer]
+            p.finished, p.last_ts = True, r.ts
+            if r.leftover is not None:
+                assert r.cursors is not None
+                self.leftovers[r.producer] = Leftover(r.leftover, r.cursors, p.cursor)
+                p.seq, p.cursor = r.seq, r.leftover.cursor
+                p.tgbs += 1
         elif isinstance(r, CommitRecord):
             p = self.producers[r.producer]
+            for owner, _ in r.packs:
+                held = self.leftovers.pop(owner)
+                self.producers[owner].cursor = held.before  # unless some of its samples are packed (below)
             for i, t in enumerate(r.tgbs):
                 self.steps.append(
                     Step(
@@ -376,9 +494,13 @@ class State:
                         cursor=t.cursor,
                         ts=r.ts,
                         checksum=t.checksum,
+                        packed=t.packed,
                     )  # fmt: skip
                 )
-                p.cursor = t.cursor
+                if t.packed is None:
+                    p.cursor = t.cursor
+                for owner, _, after in t.packed or ():  # a packing commit leaves the packer's own cursor alone
+                    self.producers[owner].cursor = after
             p.seq = r.seq + len(r.tgbs) - 1
             p.last_ts = r.ts
             p.lost = r.lost
@@ -393,7 +515,8 @@ class State:
             self.checkpoints = [c for c in self.checkpoints if c.id != r.id]
         elif isinstance(r, ReclaimRecord):
             for s in self.steps[: r.below - self.first_step]:
-                self.producers[s.producer].base_cursor = s.cursor
+                for pid, cursor in s.cursors():
+                    self.producers[pid].base_cursor = cursor
             del self.steps[: r.below - self.first_step]
             self.first_step = r.below
             # Shapes of reclaimed steps only: keep the one in force at first_step and what follows.
@@ -416,15 +539,19 @@ class State:
         del self.steps[to_step + 1 - self.first_step :]
         self.checkpoints = [c for c in self.checkpoints if c.step <= to_step]
         self.rewinds += 1
-        # Every producer is fenced and resumes from its cursor as of step `to_step`.
-        last: dict[str, Step] = {}
+        # Every producer is fenced and resumes from its cursor as of step `to_step`: that of its
+        # newest retained step, or of the newest retained step holding its packed leftover samples.
+        # Held leftovers are dropped (their producers produce them again).
+        self.leftovers = {}
+        last: dict[str, Any] = {}
         for s in self.steps:
-            last[s.producer] = s
+            last.update(s.cursors())
         for pid, p in self.producers.items():
-            newest = last.get(pid)
+            cursor = last.get(pid, p.base_cursor)
             p.epoch += 1
             p.token = ""
-            p.cursor = newest.cursor if newest else p.base_cursor
+            p.finished = p.finished and cursor == p.cursor  # still done only if nothing of it was discarded
+            p.cursor = cursor
             # Sequence numbers keep rising so that discarded TGBs are never mistaken for new ones.
 
     def copy(self) -> State:
@@ -434,7 +561,7 @@ class State:
             producers={k: ProducerState(**v.to_dict()) for k, v in self.producers.items()},
             checkpoints=[Checkpoint(c.id, c.step, c.version) for c in self.checkpoints],
             rewinds=self.rewinds, rejected=list(self.rejected), shapes=list(self.shapes),
-            mixes=list(self.mixes),
+            mixes=list(self.mixes), leftovers=dict(self.leftovers),
         )  # fmt: skip
 
     # -- snapshots -----------------------------------------------------------------------------
@@ -460,6 +587,8 @@ class State:
             "rejected": [list(x) for x in self.rejected],
         } | ({"shapes": [list(x) for x in self.shapes]} if self.shapes else {}) | (  # absent when never reshaped
             {"mixes": [[m.from_step, m.version, [list(w) for w in m.weights]] for m in self.mixes]} if self.mixes else {}
+        ) | (  # absent when nothing is held
+            {"leftovers": {k: self.leftovers[k].to_list() for k in sorted(self.leftovers)}} if self.leftovers else {}
         )  # fmt: skip
 
     @classmethod
@@ -512,16 +641,24 @@ class State:
         elif isinstance(r, RegisterRecord):
             p = self.producers.get(r.producer)
             ok = p is not None and (p.epoch, p.token, p.last_ts) == (r.epoch, r.token, r.ts)
+        elif isinstance(r, FinishRecord):
+            p, held = self.producers.get(r.producer), self.leftovers.get(r.producer)
+            ok = (
+                p is not None and p.finished and p.epoch == r.epoch and p.last_ts == r.ts and p.seq == r.seq
+                and self.head == r.head
+                and (r.leftover is None or (held is not None and held.ref == r.leftover and p.cursor == r.leftover.cursor))
+            )  # fmt: skip
         elif isinstance(r, CommitRecord):
             p, n = self.producers.get(r.producer), len(r.tgbs)
             tail = self.steps[-n:] if n <= len(self.steps) else []
             ok = (
                 p is not None and len(tail) == n and p.seq == r.seq + n - 1
-                and p.cursor == r.tgbs[-1].cursor and p.lost == r.lost
+                and (bool(r.packs) or p.cursor == r.tgbs[-1].cursor) and p.lost == r.lost
+                and all(owner not in self.leftovers for owner, _ in r.packs)
                 and (n == len(self.steps) or self.steps[-n - 1].version < v)
                 and all(
-                    (s.version, s.producer, s.epoch, s.seq, s.segment, s.ts, s.cursor, s.checksum)
-                    == (v, r.producer, r.epoch, r.seq + i, t.segment, r.ts, t.cursor, t.checksum)
+                    (s.version, s.producer, s.epoch, s.seq, s.segment, s.ts, s.cursor, s.checksum, s.packed)
+                    == (v, r.producer, r.epoch, r.seq + i, t.segment, r.ts, t.cursor, t.checksum, t.packed)
                     and tuple((x.offset, x.length, x.digest, x.samples) for x in s.ranks) == t.ranks
                     for i, (s, t) in enumerate(zip(tail, r.tgbs, strict=True))
                 )
@@ -558,7 +695,7 @@ def _state_from_dict(d: dict[str, Any]) -> State:
 
     O(steps x world size); messages are only formatted for the field that fails.
     """
-    if d.keys() - {"shapes", "mixes"} != _STATE_KEYS:
+    if d.keys() - {"shapes", "mixes", "leftovers"} != _STATE_KEYS:
         raise _bad(f"members {sorted(d)!r:.200} are not {sorted(_STATE_KEYS)}")
     version, first, rewinds = d["version"], d["first_step"], d["rewinds"]
     for name, v in (("version", version), ("first_step", first), ("rewinds", rewinds)):
@@ -584,6 +721,7 @@ def _state_from_dict(d: dict[str, Any]) -> State:
         if not (
             _int(p.epoch, 1) and _int(p.seq, -1) and isinstance(p.token, str) and type(p.last_ts) is float
             and _int(p.commits) and _int(p.tgbs) and _int(p.lost) and p.tgbs == p.seq + 1 and p.commits <= p.tgbs
+            and type(p.finished) is bool
         ):  # fmt: skip
             raise _bad(f"producer {pid}: bad epoch, seq, token, last_ts, commits, tgbs or lost in {raw!r:.300}")
         producers[pid] = p
@@ -599,9 +737,9 @@ def _state_from_dict(d: dict[str, Any]) -> State:
         n = first + i
         if not (isinstance(raw, list) and len(raw) in (9, 10)):
             raise _bad(f"step {n}: {raw!r:.200} is not a 9- or 10-item list")
-        step, sv, segment, pid, epoch, seq, ranks, cursor, ts, *rest = raw
-        checksum = rest[0] if rest else "crc32"
-        if rest and not (isinstance(checksum, str) and checksum in CHECKSUM_BITS and checksum != "crc32"):
+        step, sv, segment, pid, epoch, seq, ranks, cursor, ts, *extra = raw
+        checksum = extra[0] if extra else "crc32"
+        if len(extra) > 2 or (extra and not (isinstance(checksum, str) and checksum in CHECKSUM_BITS)):
             raise _bad(f"step {n}: unknown checksum {checksum!r:.40}")
         bits = CHECKSUM_BITS[checksum]
         if not (type(step) is int and step == n):
@@ -640,8 +778,9 @@ def _state_from_dict(d: dict[str, Any]) -> State:
             slices.append(RankSlice(off, length, crc, k))
         if not 0 < samples <= batch_at(n):
             raise _bad(f"step {n}: {samples} samples (global batch {batch_at(n)})")
+        packed = _packed_from(extra[1], producers, samples, n) if len(extra) > 1 else None
         last_seq[pid], last_version = seq, sv
-        steps.append(Step(n, sv, segment, pid, epoch, seq, tuple(slices), cursor, ts, checksum))
+        steps.append(Step(n, sv, segment, pid, epoch, seq, tuple(slices), cursor, ts, checksum, packed))
     head = first + len(steps) - 1
 
     checkpoints: list[Checkpoint] = []
@@ -674,7 +813,50 @@ def _state_from_dict(d: dict[str, Any]) -> State:
         rejected.append((raw[0], raw[1]))
 
     mixes = _mixes_from(d.get("mixes", []), version)
-    return State(version, config, first, steps, producers, checkpoints, rewinds, rejected, shapes, mixes)
+    leftovers = _leftovers_from(d.get("leftovers", {}), producers)
+    return State(version, config, first, steps, producers, checkpoints, rewinds, rejected, shapes, mixes, leftovers)
+
+
+def _packed_from(
+    raw: Any, producers: dict[str, ProducerState], samples: int, n: int
+) -> tuple[tuple[str, int, Any], ...]:
+    """A packed step's [[producer, samples, cursor], …]: known producers, once each, adding up to its samples."""
+    if not (
+        isinstance(raw, list) and raw
+        and all(isinstance(x, list) and len(x) == 3 and x[0] in producers and _int(x[1], 1) for x in raw)
+        and len({x[0] for x in raw}) == len(raw) and sum(x[1] for x in raw) == samples
+    ):  # fmt: skip
+        raise _bad(f"step {n}: packed {raw!r:.200} is not [[producer, samples, cursor], …] of its {samples} samples")
+    return tuple((x[0], x[1], x[2]) for x in raw)
+
+
+def _leftovers_from(raw: Any, producers: dict[str, ProducerState]) -> dict[str, Leftover]:
+    """A snapshot's `leftovers`: {producer: [leftover TGB, [offset, length, crc32], cursor before]}, each of a
+    finished producer, whose cursor is the leftover's."""
+    if not isinstance(raw, dict):
+        raise _bad("leftovers is not an object")
+    out: dict[str, Leftover] = {}
+    for pid, v in sorted(raw.items()):
+        p = producers.get(pid)
+        if p is None or not p.finished:
+            raise _bad(f"leftover of {pid!r:.140}, which is not a finished producer")
+        if not (isinstance(v, list) and len(v) == 3 and isinstance(v[1], list) and len(v[1]) == 3):
+            raise _bad(f"leftover of {pid}: {v!r:.200} is not [TGB, cursors, cursor before]")
+        try:
+            ref = _tgb(_Fields({}, f"leftover of {pid}"), v[0])
+        except RecordError as e:
+            raise _bad(str(e)) from None
+        (off, length, crc, k), (at, size, crc2) = ref.ranks[0], v[1]
+        if not (
+            len(ref.ranks) == 1 and ref.packed is None and off == 0 and 0 <= crc < 1 << CHECKSUM_BITS[ref.checksum] and k > 0
+            and at == length and _int(size) and type(crc2) is int and 0 <= crc2 < 1 << 32
+            and ref.cursor == p.cursor
+        ):  # fmt: skip
+            raise _bad(
+                f"leftover of {pid}: {v!r:.200} is not one slice of samples, its cursors, and the producer's cursor"
+            )
+        out[pid] = Leftover(ref, (at, size, crc2), v[2])
+    return out
 
 
 def _mixes_from(raw_mixes: Any, version: int) -> list[Mix]:

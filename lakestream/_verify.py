@@ -4,7 +4,8 @@ Besides what `apply` already enforces, verify reads back every retained segment 
 only a whole-stream view can see: a segment that two steps share, a sample key that occurs in more
 than one step or rank (a source that produced a sample twice), log versions past a hole in the
 log (which no reader ever applies, so they are reported rather than silently ignored), and the
-shape and mixture history against the samples themselves: every step holds at most the global batch
+held leftovers (their segments checked against their finish records, and their keys counted with
+the steps' for exactly once), and the shape and mixture history against the samples themselves: every step holds at most the global batch
 in force at it, and under a mixture its samples' `__source__` fields hold the mix's shares.
 """
 
@@ -22,7 +23,7 @@ from ._errors import CorruptData, ObjectNotFound
 from ._layout import LOG_PREFIX, SOURCE_FIELD, version_of
 from ._retry import retry
 from ._segment import check_slice, decode_value, index_slice
-from ._state import State, Step
+from ._state import Leftover, State, Step
 from ._store import ObjectStore
 from ._tasks import task_group
 
@@ -39,6 +40,7 @@ class VerifyReport:
     head: int = -1
     steps: int = 0
     samples: int = 0
+    held: int = 0  # samples of held leftovers (committed by their producers' finish, not in a step yet)
     bytes: int = 0
     problems: list[str] = field(default_factory=list)
 
@@ -120,6 +122,41 @@ def _check_shape(state: State, s: Step, sources: Counter[str], report: VerifyRep
         )
 
 
+async def _check_leftover(
+    store: ObjectStore, pid: str, h: Leftover, report: VerifyReport, keys: dict[str, tuple[int, int]]
+) -> None:
+    """A held leftover's segment: its slice and cursors against the finish record, its keys once in the stream."""
+    at = f"{store.url} leftover of producer {pid} object {h.ref.segment}"
+    offset, length, crc, n = h.ref.ranks[0]
+    try:
+        data = await retry(lambda: store.get(h.ref.segment))
+    except ObjectNotFound:
+        report.problems.append(f"{at}: segment object is missing")
+        return
+    if len(data) != h.cursors[0] + h.cursors[1] or offset + length != h.cursors[0]:
+        report.problems.append(f"{at}: {len(data)} bytes, the finish record says {h.cursors[0] + h.cursors[1]}")
+        return
+    view = memoryview(data)
+    try:
+        check_slice(view[offset : offset + length], crc, at)
+        check_slice(view[h.cursors[0] :], h.cursors[2], f"{at} (cursors)")
+        refs = index_slice(view[offset : offset + length], at)
+    except CorruptData as e:
+        report.problems.append(str(e))
+        return
+    held = list(dict.fromkeys(ref.key for ref in refs))
+    if len(held) != n:
+        report.problems.append(f"{at}: {len(held)} samples in the slice, the finish record says {n}")
+    for key in held:
+        first = keys.setdefault(key, (-1, -1))
+        if first != (-1, -1):
+            report.problems.append(
+                f"{at}: sample key {key!r} also occurs at step {first[0]} rank {first[1]} (produced twice)"
+            )
+    report.held += len(held)
+    report.bytes += len(data)
+
+
 async def _check_log_tail(store: ObjectStore, state: State, report: VerifyReport) -> None:
     """Log versions past the tail sit behind a hole: every reader stops at the first missing one."""
     beyond = sorted(
@@ -179,6 +216,8 @@ async def verify_state(
     async with task_group() as tg:
         for s in unique:
             tg.start_soon(one, s)
+    for pid, h in sorted(state.leftovers.items()):  # after the steps: a key in both is reported here
+        await _check_leftover(store, pid, h, report, keys)
     report.problems = _condense(sorted(report.problems))
     return report
 

@@ -93,6 +93,7 @@ def run_fleet(
     split: str | None = None,
     epochs: int = 1,
     shuffle_seed: int | None = None,
+    drop_last: bool = False,
     max_restarts: int = -1,
     ray_address: str | None = None,
     metrics_port: int | None = None,
@@ -105,6 +106,11 @@ def run_fleet(
     that connection is used). The stream must exist. Each actor asks for `0.5 + workers_per_producer`
     CPUs. `max_restarts` bounds the restarts of each actor (-1: no limit). With `metrics_port`,
     actor i serves its Prometheus metrics at `metrics_addr:metrics_port + i` on its node.
+
+    Every producer id is registered before any actor starts, so that one whose share ends before
+    another actor has started holds its partial last global batch back: the last producer to finish
+    packs them (only the stream's last step is short). `drop_last`: each producer commits whole
+    global batches only, as `produce --drop-last`.
 
     A producer that fails for good (a bad source, a map error with `on_error="fail"`, a
     ConfigMismatch, restarts exhausted) is listed in `FleetReport.failed` with its reason; the others
@@ -129,9 +135,10 @@ def run_fleet(
     ids = [f"{name}-{i}" for i in range(producers)]
     before = anyio.run(lakestream.load_state, url)  # StreamNotFound before anything starts
     _check_producers(url, before, name, producers)
+    anyio.run(_register, url, ids)
     options: dict[str, Any] = {
         "map": map, "workers": workers_per_producer, "on_error": on_error, "key_column": key_column,
-        "split": split, "epochs": epochs, "shuffle_seed": shuffle_seed,
+        "split": split, "epochs": epochs, "shuffle_seed": shuffle_seed, "drop_last": drop_last,
     }  # fmt: skip
     if metrics_port is not None:  # taken out of the options by each actor (`_ProducerActor.run`)
         options["metrics"] = (metrics_port, metrics_addr)
@@ -189,6 +196,27 @@ def _check_producers(url: str, state: Any, name: str, producers: int) -> None:
         )
 
 
+async def _register(url: str, ids: list[str]) -> None:
+    """Register each producer id (its actor registers again): every one counts as producing from now on."""
+    import lakestream
+
+    from . import _decisions as decisions
+    from ._manifest import Manifest
+    from ._records import RegisterRecord
+    from ._state import State
+
+    token = f"fleet-{uuid.uuid4().hex}"
+    async with lakestream.open_store(url) as store:
+        m = Manifest(store)
+        await m.load()
+        for pid in ids:
+
+            def decide(st: State, _: int, pid: str = pid) -> RegisterRecord | None:
+                return decisions.register(st, pid, token, time.time())
+
+            await m.append(decide)
+
+
 def _cpus(workers: int) -> float:
     """CPUs one producer actor asks for: half a CPU for the producer (it mostly waits on the store), one per
     map worker process. Four producers without workers fit on two cores."""
@@ -198,17 +226,12 @@ def _cpus(workers: int) -> float:
 def _count_committed(report: FleetReport, before: Any, after: Any, ids: list[str]) -> None:
     """Steps, samples and bytes the producers `ids` committed between the states `before` and `after`.
 
-    Steps are the producers' TGB counters' rise; samples and bytes are summed over their retained steps
-    with a sequence number above the one they had before (a step reclaimed by GC during the run is not
-    in `after` any more: its samples are not counted)."""
+    Steps, samples and bytes are summed over their retained steps with a sequence number above the one
+    they had before (a step reclaimed by GC during the run is not in `after` any more: it is not counted)."""
     seq_before = {pid: p.seq for pid, p in before.producers.items()}
-    for pid in ids:
-        p = after.producers.get(pid)
-        if p is not None:
-            old = before.producers.get(pid)
-            report.steps += p.tgbs - (old.tgbs if old is not None else 0)
     for step in after.steps:
         if step.producer in ids and step.seq > seq_before.get(step.producer, -1):
+            report.steps += 1
             report.samples += step.samples
             report.bytes += step.nbytes
 

@@ -176,7 +176,7 @@ def test_produce_then_read_reproduces_every_file(backend: str, tmp_path: Path, r
     st = status(url, env)
     assert st["head_step"] == steps - 1
     p = st["producers"]["shard-0"]
-    assert (p["epoch"], p["seq"]) == (1, steps - 1)
+    assert (p["epoch"], p["seq"]) == (1, steps)  # the partial batch: a leftover (seq steps - 1), then packed
     assert (p["cursor"]["files"], p["cursor"]["after"]) == (len(files), "k-00044.txt")
 
     # Again with the same id: it resumes at the end, commits nothing, and bumps the epoch.

@@ -261,10 +261,11 @@ def test_exactly_once_under_sigkill(stream: Stream, tmp_path: Path) -> None:
 
     t2 = time.monotonic()
     # Every rank, through the Python reader: the same producer at every step on every rank, and
-    # each producer's samples in source order, in full global batches but for its last.
+    # each producer's samples in source order, in full global batches but for the stream's last.
     per_rank = anyio.run(_read_ranks, stream.url, world, head)
     order: dict[str, list[str]] = defaultdict(list)
     consumed: dict[str, int] = Counter()
+    owners = {d.pid.rsplit("-", 1)[1]: d.pid for d in drivers}
     for step in range(head + 1):
         entry = state.step(step)
         assert entry is not None
@@ -273,18 +274,21 @@ def test_exactly_once_under_sigkill(stream: Stream, tmp_path: Path) -> None:
         assert {b.producer for b in batches} == {entry.producer}, f"step {step}: ranks disagree on the producer"
         assert {b.version for b in batches} == {entry.version}
         n = sum(len(b) for b in batches)
-        keys = [batches[i % world].samples[i // world]["__key__"] for i in range(n)]  # round-robin put order
-        assert all(k.startswith(f"s{entry.producer.rsplit('-', 1)[1]}-") for k in keys), (step, entry.producer, keys)
-        order[entry.producer].extend(keys)
-        consumed[entry.producer] += sum(len(b.samples[j]) - 1 for b in batches for j in range(len(b)))
-        assert cursor_position(entry.cursor) == consumed[entry.producer], (
-            f"step {step}: cursor {entry.cursor} is not past its last file"
-        )
+        samples = [batches[i % world].samples[i // world] for i in range(n)]  # round-robin put order
+        for sample in samples:  # key s<i>-… is of producer <prefix>-<i>
+            owner = owners[sample["__key__"].split("-")[0][1:]]
+            order[owner].append(sample["__key__"])
+            consumed[owner] += len(sample) - 1
+        if entry.packed is None:
+            keys = [sample["__key__"] for sample in samples]
+            assert {owners[k.split("-")[0][1:]] for k in keys} == {entry.producer}, (step, entry.producer, keys)
+        for pid, cursor in entry.cursors():  # a step packing the leftovers: each producer's cursor after them
+            assert cursor_position(cursor) == consumed[pid], f"step {step}: cursor {cursor} is not past its last file"
     for d in drivers:
         want = sorted({name.partition(".")[0] for name in sources[d.pid]})
         assert order[d.pid] == want, f"{d.pid}: samples out of order, lost or duplicated"
-        sizes_of = [state.step(s.step).samples for s in state.steps if s.producer == d.pid]  # type: ignore[union-attr]
-        assert sizes_of[:-1] == [batch] * (len(sizes_of) - 1) and 0 < sizes_of[-1] <= batch
+    # in full global batches but for the stream's last step
+    assert [s.samples for s in state.steps[:-1]] == [batch] * head and 0 < state.steps[-1].samples <= batch
 
     snapshots = anyio.run(_check_snapshots, stream.url)
     assert snapshots >= 1

@@ -53,17 +53,20 @@ async def test_every_sample_once_and_ranks_agree(store) -> None:
         for k in range(4):
             tg.start_soon(produce, store, f"p{k}", 40)
     state = await lakestream.load_state(store)
-    assert state.head == 4 * 7 - 1  # 6 full TGBs and a final partial one each
+    # 6 full TGBs each, then the last to finish packs the 4 x 4 left over: 2 whole global batches and a short last one
+    assert state.head == 4 * 6 + 3 - 1
+    assert [s.samples for s in state.steps if s.samples < B] == [4] and state.steps[-1].samples == 4
     per_rank = [await read_all(store, r) for r in range(W)]
     keys = Counter(s["__key__"] for batches in per_rank for b in batches for s in b.samples)
     assert keys == Counter(f"p{k}-{i}" for k in range(4) for i in range(40))
     for batches in per_rank:
         assert [b.step for b in batches] == list(range(state.head + 1))
         assert [(b.producer, b.version) for b in batches] == [(b.producer, b.version) for b in per_rank[0]]
-    # one TGB per step: all of its samples come from one producer, in put order across ranks
+    # one TGB per step: all of its samples come from one producer (or the leftovers it packs)
     for step in range(state.head + 1):
         owners = {s["__key__"].split("-")[0] for batches in per_rank for s in batches[step].samples}
-        assert owners == {state.step(step).producer}
+        packed = state.step(step).packed
+        assert owners == ({pid for pid, _, _ in packed} if packed else {state.step(step).producer})
     assert (await lakestream.verify(store)).ok
 
 

@@ -221,10 +221,23 @@ def test_a_failing_map_fails_the_run_naming_the_key_and_a_rerun_resumes(
 def test_run_fleet_from_python(setup: dict[str, Any], ray_address: str) -> None:
     report = run_fleet(setup["url"], setup["spec"], 2, name="py", ray_address=ray_address)
     assert isinstance(report, FleetReport) and report.ok, report
-    # 90 samples a producer: 22 global batches of 4 and a short last one of 2, each
-    assert (report.producers, report.samples, report.steps, report.restarts) == (2, 180, 46, 0), report
+    # 90 samples a producer: 22 global batches of 4 each, and the 2 + 2 left over packed into one more
+    assert (report.producers, report.samples, report.steps, report.restarts) == (2, 180, 45, 0), report
     assert report.bytes == verified(setup["url"])["bytes"] and report.skipped == [], report
     assert set(read_values(setup["url"], 2)) == ALL_KEYS
+    state = anyio.run(lakestream.load_state, setup["url"])
+    assert all(s.samples == 4 for s in state.steps) and state.steps[-1].packed is not None
+
+
+def test_a_fleet_under_drop_last_commits_whole_global_batches_only(tmp_path: Path, ray_address: str) -> None:
+    make_wds(tmp_path / "wds", 2, 31)  # 31 samples a producer: 7 global batches of 4, 3 held back each
+    url = f"file://{tmp_path}/stream"
+    run_cli("init", url, "--world-size", 2, "--global-batch", 4, check=True)
+    r = fleet(url, "--source", f"wds:{tmp_path}/wds/*.tar", "--producers", 2, "--drop-last", "--json",
+              "--ray-address", ray_address)  # fmt: skip
+    assert summary(r)["steps"] == 14, describe(r)
+    state = anyio.run(lakestream.load_state, url)
+    assert all(s.samples == 4 for s in state.steps) and status(url)["leftovers"] == {}
 
 
 def test_a_bad_source_fails_every_producer_with_its_reason(setup: dict[str, Any], ray_address: str) -> None:
