@@ -404,8 +404,11 @@ class State:
         offset, length, crc, n = t.ranks[0]
         step, batch = self.head + 1, self.batch_at(self.head + 1)
         _need(
-            offset == 0 and length < 1 << 62 and crc < 1 << 32, f"finish {pid}: bad leftover slice {list(t.ranks[0])}"
+            offset == 0 and length < 1 << 62 and crc < 1 << CHECKSUM_BITS[t.checksum],
+            f"finish {pid}: bad leftover slice {list(t.ranks[0])}",
         )
+        _need(_segment_of(t.segment, pid, r.epoch, r.seq),
+              f"finish {pid}: segment {t.segment!r:.200} is not a key of its leftover (segments/{pid}/{r.epoch}-{r.seq}-….tgb)")  # fmt: skip
         _need(0 < n < batch, f"finish {pid}: a leftover of {n} samples (global batch {batch})")
         at, size, crc = r.cursors
         _need(at == length and size < 1 << 62 and crc < 1 << 32, f"finish {pid}: bad cursors {list(r.cursors)}")
@@ -735,8 +738,8 @@ def _state_from_dict(d: dict[str, Any]) -> State:
     last_version, world = 1, LIMITS["world_size"][1]
     for i, raw in enumerate(d["steps"]):
         n = first + i
-        if not (isinstance(raw, list) and len(raw) in (9, 10)):
-            raise _bad(f"step {n}: {raw!r:.200} is not a 9- or 10-item list")
+        if not (isinstance(raw, list) and len(raw) in (9, 10, 11)):
+            raise _bad(f"step {n}: {raw!r:.200} is not a list of 9 to 11 items")
         step, sv, segment, pid, epoch, seq, ranks, cursor, ts, *extra = raw
         checksum = extra[0] if extra else "crc32"
         if len(extra) > 2 or (extra and not (isinstance(checksum, str) and checksum in CHECKSUM_BITS)):

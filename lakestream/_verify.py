@@ -138,7 +138,7 @@ async def _check_leftover(
         return
     view = memoryview(data)
     try:
-        check_slice(view[offset : offset + length], crc, at)
+        check_slice(view[offset : offset + length], crc, at, h.ref.checksum)
         check_slice(view[h.cursors[0] :], h.cursors[2], f"{at} (cursors)")
         refs = index_slice(view[offset : offset + length], at)
     except CorruptData as e:

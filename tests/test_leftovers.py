@@ -57,7 +57,8 @@ class Log:
         p = self.state.producers[pid]
         at = p.cursor or 0
         tgbs = tuple(
-            TgbRef(f"segments/{pid}/{p.seq + 1 + i}", ((0, 1, 0, samples),), at + samples * (i + 1)) for i in range(n)
+            TgbRef(f"segments/{pid}/{p.epoch}-{p.seq + 1 + i}-x.tgb", ((0, 1, 0, samples),), at + samples * (i + 1))
+            for i in range(n)
         )
         self.put(encode_record(CommitRecord(pid, p.epoch, p.seq + 1, tgbs)))
 
@@ -66,7 +67,9 @@ class Log:
         p = self.state.producers[pid]
         at = p.cursor or 0
         left = (
-            decisions.PendingTgb(p.seq + 1, TgbRef(f"segments/{pid}/left-{p.seq + 1}", ((0, 10, 0, n),), at + n))
+            decisions.PendingTgb(
+                p.seq + 1, TgbRef(f"segments/{pid}/{p.epoch}-{p.seq + 1}-left.tgb", ((0, 10, 0, n),), at + n)
+            )
             if n
             else None
         )
@@ -91,7 +94,9 @@ class Log:
                 (pid, n, packed_cursor(cursors(s, pid), None, done[pid], s.leftovers[pid].before))
                 for pid, n in sorted(counts.items())
             )
-            ref = TgbRef(f"segments/{packer}/pack-{p.seq + 1 + k}", ((0, 1, 0, len(tgb)),), None, packed=packed)
+            ref = TgbRef(
+                f"segments/{packer}/{p.epoch}-{p.seq + 1 + k}-pack.tgb", ((0, 1, 0, len(tgb)),), None, packed=packed
+            )
             pending.append(decisions.PendingTgb(p.seq + 1 + k, ref))
         packs = [(pid, h.ref.segment) for pid, h in held]
         return decisions.pack(s, packer, p.epoch, pending, packs, 0, 0.0, force=force)
@@ -146,12 +151,13 @@ def test_finish_and_pack_noop_rules() -> None:
     for pid in ("a", "b", "c"):
         log.register(pid)
     p = log.state.producers["a"]
-    left = TgbRef("segments/a/l", ((0, 10, 0, 3),), 3)
+    left = TgbRef(f"segments/a/{p.epoch}-{p.seq + 1}-l.tgb", ((0, 10, 0, 3),), 3)
     bad = [
         FinishRecord("a", p.epoch, p.seq + 2, -1, left, (10, 5, 0)),  # not the next seq
         FinishRecord("a", p.epoch + 1, p.seq + 1, -1, left, (10, 5, 0)),  # not its epoch
         FinishRecord("a", p.epoch, p.seq + 1, 0, left, (10, 5, 0)),  # not the head
-        FinishRecord("a", p.epoch, p.seq + 1, -1, TgbRef("segments/a/l", ((0, 10, 0, B),), 3), (10, 5, 0)),  # whole
+        FinishRecord("a", p.epoch, p.seq + 1, -1, TgbRef(left.segment, ((0, 10, 0, B),), 3), (10, 5, 0)),  # whole
+        FinishRecord("a", p.epoch, p.seq + 1, -1, TgbRef("segments/a/l", ((0, 10, 0, 3),), 3), (10, 5, 0)),  # key
         FinishRecord("a", p.epoch, p.seq + 1, -1, left, (9, 5, 0)),  # cursors not after the slice
         FinishRecord("a", p.epoch, p.seq + 1, -1, None, None),  # without a leftover, seq is the committed one
         FinishRecord("z", 1, 0, -1, None, None),  # not registered
@@ -270,7 +276,7 @@ def test_snapshots_carry_leftovers_finished_producers_and_packed_steps() -> None
         State.from_json(orjson.dumps(d))
     d = orjson.loads(snap)
     d.pop("sha256")
-    d["steps"][-1][9][0][1] = 5  # packed counts that do not add up to the step's samples
+    d["steps"][-1][10][0][1] = 5  # packed counts that do not add up to the step's samples
     with pytest.raises(ValueError, match="packed"):
         State.from_json(orjson.dumps(d))
 
