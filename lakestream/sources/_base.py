@@ -3,6 +3,7 @@ the cursor of the sharded sources (`_Sharded`), sample keys, and the checks of t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, cast
 
-from .._errors import ConfigMismatch, InvalidSample
+from .._errors import ConfigMismatch, InvalidSample, LakestreamError
 from .._layout import RESERVED_FIELDS
 
 if TYPE_CHECKING:  # botocore is imported only for a source in S3: it takes a second to import
@@ -255,6 +256,25 @@ def _pyarrow_parquet() -> Any:
     except ImportError:
         raise ImportError("parquet: sources need pyarrow: pip install 'lakestream[sources]'") from None
     return pq
+
+
+@contextlib.contextmanager
+def _unreadable(where: str, kind: str) -> Iterator[None]:
+    """pyarrow's errors reading a file (and OSError) as InvalidSample naming it: `<where>: not a readable
+    <kind>: <pyarrow's message, on one line>`. Lakestream errors (an S3 source's) pass as they are."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except LakestreamError:
+        raise
+    except (pa.ArrowException, OSError) as e:
+        raise InvalidSample(f"{where}: not a readable {kind}: {one_line(e)}") from None
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (pyarrow's may span several)."""
+    return " ".join(str(e).split())
 
 
 def _storable(value: Any) -> bool:

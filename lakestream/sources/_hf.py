@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ConfigMismatch, InvalidSample
-from ._base import _check_columns, _File, _fingerprint, _pyarrow_parquet, _row_sample, _Sharded, _stat
+from ._base import _check_columns, _File, _fingerprint, _pyarrow_parquet, _row_sample, _Sharded, _stat, one_line
 
 HF_BLOCK_ROWS = 4096
 """Rows in one unit of an `hf:` share: what the cursor's `shard` names and an epoch's order shuffles."""
@@ -191,6 +191,7 @@ class HfSource(_Sharded):
             prefix = self.split.replace(".", "-")
             row = start + skip  # in the file
             for at, batch in arrow.batches(row):  # a record batch at a time: what is held is one batch
+                arrow.check(at, batch)
                 end = min(stop, at + batch.num_rows)
                 for a in range(row, end, 256):
                     for values in batch.slice(a - at, min(end - a, 256)).to_pylist():
@@ -221,8 +222,8 @@ class _ArrowFile:
         self.path, self.where, self._pa = path, f"{what}: {path}", pa
         try:
             self._reader = pa.ipc.open_stream(pa.memory_map(path))
-        except pa.ArrowException as e:
-            raise InvalidSample(f"{self.where} is not an arrow stream file: {e}") from None
+        except (pa.ArrowException, OSError) as e:
+            raise InvalidSample(f"{self.where} is not an arrow stream file: {one_line(e)}") from None
         self.schema = self._reader.schema
         self.row = 0  # the first row of `batch`, or of the next batch read
         self.batch: Any = None
@@ -236,9 +237,20 @@ class _ArrowFile:
                     self.batch = self._reader.read_next_batch()
                 except StopIteration:
                     return
-                except self._pa.ArrowException as e:
-                    raise InvalidSample(f"{self.where}: unreadable record batch at row {self.row}: {e}") from None
+                except (self._pa.ArrowException, OSError) as e:
+                    raise InvalidSample(
+                        f"{self.where}: unreadable record batch at row {self.row}: {one_line(e)}"
+                    ) from None
             if self.row + self.batch.num_rows > start:
                 yield self.row, self.batch
             self.row += self.batch.num_rows
             self.batch = None
+
+    def check(self, at: int, batch: Any) -> None:
+        """InvalidSample unless `batch` (its first row `at`) holds valid data: offsets within its buffers,
+        text that is UTF-8 (what `to_pylist` trusts). Only batches that are read are checked: counting
+        the rows reads no data."""
+        try:
+            batch.validate(full=True)
+        except self._pa.ArrowException as e:
+            raise InvalidSample(f"{self.where}: damaged record batch at row {at}: {one_line(e)}") from None

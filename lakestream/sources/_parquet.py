@@ -19,6 +19,7 @@ from ._base import (
     _Sharded,
     _share,
     _stat,
+    _unreadable,
     key_text,
 )
 
@@ -86,7 +87,11 @@ class ParquetSource(_Sharded):
         pq = _pyarrow_parquet()
         where = f"{self.what}: {f.path}"
         source: Any = f.path if self.remote is None else self._open(f, ranged=True)
-        with contextlib.closing(source) if self.remote else contextlib.nullcontext(), pq.ParquetFile(source) as pf:
+        with (
+            _unreadable(where, "Parquet file"),
+            contextlib.closing(source) if self.remote else contextlib.nullcontext(),
+            pq.ParquetFile(source) as pf,
+        ):
             columns = pf.schema_arrow.names
             if self.key_column is not None and self.key_column not in columns:
                 raise ValueError(f"{where}: no column {self.key_column!r} (--key-column); columns: {columns}")
@@ -108,7 +113,9 @@ class ParquetSource(_Sharded):
                 return
             prefix = key_text(f.name.removesuffix(".parquet"))
             for g in groups:  # a row group at a time: what is read (in S3: fetched) and held is one row group
-                for batch in pf.read_row_group(g).to_batches(max_chunksize=256):
+                table = pf.read_row_group(g)
+                table.validate(full=True)  # offsets in bounds, text UTF-8: what to_pylist trusts
+                for batch in table.to_batches(max_chunksize=256):
                     for values in batch.to_pylist():
                         if row < skip:
                             row += 1
