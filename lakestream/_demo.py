@@ -11,7 +11,7 @@ import anyio
 
 import lakestream
 
-from ._sources import synthetic_sample
+from .sources._synthetic import synthetic_sample
 
 __all__ = ["run_demo"]
 

@@ -25,9 +25,9 @@ from ._errors import ConfigMismatch, MixChanged
 from ._layout import KEY_FIELD, SOURCE_FIELD
 from ._producer import Producer, ProducerStats
 from ._records import check_source_name
-from ._sources import synthetic_source
 from ._transform import MapFunction, MapStats, source_cursor, transform
 from .sources import Source, WdsSource, open_source
+from .sources._synthetic import synthetic_source
 
 log = logging.getLogger(__name__)
 

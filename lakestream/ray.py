@@ -28,6 +28,8 @@ from typing import Any
 import anyio
 
 from ._errors import ConfigMismatch, LakestreamError, first_error
+from ._transform import load_function
+from .sources import HfSource, ParquetSource, WdsSource, open_source
 
 __all__ = ["FleetReport", "run_fleet"]
 
@@ -112,10 +114,13 @@ def run_fleet(
     packs them (only the stream's last step is short). `drop_last`: each producer commits whole
     global batches only, as `produce --drop-last`.
 
-    A producer that fails for good (a bad source, a map error with `on_error="fail"`, a
-    ConfigMismatch, restarts exhausted) is listed in `FleetReport.failed` with its reason; the others
-    run to the end of their shares. Raises StreamNotFound, ValueError for bad arguments, OSError when
-    the cluster cannot be reached, ImportError without Ray.
+    Before the cluster is reached, the source is opened here (it must open here as on the cluster) and
+    must hold a file (hf: a row) for every producer, and `map` is loaded. A producer that fails for
+    good (a damaged source file, a map error with `on_error="fail"`, a ConfigMismatch, restarts
+    exhausted) is listed in `FleetReport.failed` with its reason; the others run to the end of their
+    shares. Raises StreamNotFound; ValueError for bad arguments, a `map` that does not load or a source
+    with fewer files than producers; FileNotFoundError for a source without files; OSError when the
+    cluster cannot be reached, ImportError without Ray.
     """
     if producers < 1:
         raise ValueError(f"--producers {producers}: expected at least 1")
@@ -135,6 +140,9 @@ def run_fleet(
     ids = [f"{name}-{i}" for i in range(producers)]
     before = anyio.run(lakestream.load_state, url)  # StreamNotFound before anything starts
     _check_producers(url, before, name, producers)
+    if map is not None:
+        load_function(map)  # a mistyped --map costs no cluster start
+    _check_source(source, producers, key_column=key_column, split=split, epochs=epochs, shuffle_seed=shuffle_seed)
     anyio.run(_register, url, ids)
     options: dict[str, Any] = {
         "map": map, "workers": workers_per_producer, "on_error": on_error, "key_column": key_column,
@@ -215,6 +223,23 @@ async def _register(url: str, ids: list[str]) -> None:
                 return decisions.register(st, pid, token, time.time())
 
             await m.append(decide)
+
+
+def _check_source(source: str, producers: int, **order: Any) -> None:
+    """Refuse a source that does not open here (no file matches, an option that does not apply) or that
+    leaves a producer nothing to read: fewer files (hf: rows) than producers, or `dir:` with more than
+    one producer. Raises what `open_source` raises, or ValueError."""
+    src = open_source(source, **order)
+    if producers == 1:
+        return
+    if not isinstance(src, (WdsSource, ParquetSource, HfSource)):
+        raise ValueError(f"--source {source!r}: a fleet of {producers} producers needs a wds:, parquet: or hf: source")
+    have, unit = (src.rows, "rows") if isinstance(src, HfSource) else (len(src.share), "files")
+    if have < producers:
+        raise ValueError(
+            f"--source {source!r}: {have} {unit} for --producers {producers}: producers "
+            f"{have}..{producers - 1} would have nothing to read; run at most {have} producers"
+        )
 
 
 def _cpus(workers: int) -> float:

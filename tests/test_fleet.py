@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -240,10 +241,16 @@ def test_a_fleet_under_drop_last_commits_whole_global_batches_only(tmp_path: Pat
     assert all(s.samples == 4 for s in state.steps) and status(url)["leftovers"] == {}
 
 
-def test_a_bad_source_fails_every_producer_with_its_reason(setup: dict[str, Any], ray_address: str) -> None:
-    report = run_fleet(setup["url"], "wds:/nonexistent/*.tar", 2, ray_address=ray_address)
+def test_a_damaged_source_fails_every_producer_with_its_reason(
+    setup: dict[str, Any], tmp_path: Path, ray_address: str
+) -> None:
+    """A source that opens (its files are there) but cannot be read: each producer fails naming its file."""
+    for i in range(2):
+        (tmp_path / f"bad-{i}.tar").write_bytes(b"not a tar file\n" * 100)
+    report = run_fleet(setup["url"], f"wds:{tmp_path}/bad-*.tar", 2, ray_address=ray_address)
     assert not report.ok and sorted(report.failed) == ["fleet-0", "fleet-1"], report
-    assert report.reason().startswith("fleet-0, fleet-1 failed: ") and "/nonexistent/" in report.reason(), report
+    assert all(f"bad-{i}.tar" in report.failed[f"fleet-{i}"] for i in range(2)), report
+    assert report.reason().startswith("fleet-0 failed: ") and "bad-0.tar" in report.reason(), report
     assert report.samples == 0
 
 
@@ -258,6 +265,30 @@ def test_what_is_refused_before_anything_starts(tmp_path: Path) -> None:
     anyio.run(lambda: lakestream.create(url, world_size=1, global_batch=2))
     r = run_cli("fleet", url, "--source", "wds:x", "--producers", 0, check=False)
     assert r.stderr.strip().splitlines() == ["lakestream fleet: error: --producers 0: expected at least 1"], describe(r)
+
+
+def test_a_bad_source_or_map_is_refused_before_ray_starts(setup: dict[str, Any], tmp_path: Path) -> None:
+    """A source that does not open, one with fewer files than producers, and a --map that does not load are
+    refused in one line within seconds: the command points at an address where no cluster listens, so
+    reaching for Ray would fail otherwise (and starting one would take far longer)."""
+    url, nowhere = setup["url"], ["--ray-address", f"127.0.0.1:{_free_port()}"]
+    cases = [
+        (["--source", f"wds:{tmp_path}/nothing-*.tar", "--producers", 2], f"wds:{tmp_path}/nothing-*.tar: no file matches"),
+        (["--source", setup["spec"], "--producers", 8],
+         f"--source '{setup['spec']}': 6 files for --producers 8: producers 6..7 would have nothing to read"),
+        (["--source", f"dir:{tmp_path}/wds", "--producers", 2], "needs a wds:, parquet: or hf: source"),
+        (["--source", setup["spec"], "--producers", 2, "--map", "slwo:fn"], "--map 'slwo:fn': cannot import 'slwo'"),
+        (["--source", setup["spec"], "--producers", 2, "--map", "slow:fnn"], "--map 'slow:fnn': module 'slow' has no"),
+    ]  # fmt: skip
+    for args, message in cases:
+        t0 = time.monotonic()
+        r = fleet(url, *args, *nowhere, env=setup["env"], check=False)
+        assert r.returncode == 1 and r.stderr.strip().splitlines() == [r.stderr.strip()], describe(r)
+        assert r.stderr.startswith("lakestream fleet: error: ") and message in r.stderr, describe(r)
+        assert time.monotonic() - t0 < 10, describe(r)
+    with pytest.raises(FileNotFoundError, match="no file matches"):
+        run_fleet(url, f"wds:{tmp_path}/nothing-*.tar", 2, ray_address=nowhere[1])
+    assert status(url)["producers"] == {}
 
 
 def test_another_number_of_producers_is_refused_before_ray_starts(setup: dict[str, Any], ray_address: str) -> None:

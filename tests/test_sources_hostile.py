@@ -301,6 +301,67 @@ def test_a_tar_member_with_a_reserved_field_fails_the_cli_in_one_line(tmp_path: 
     one_line_error(r, "a.tar", "0001.__cost__", "reserved")
 
 
+# -- files that are not what their kind says ---------------------------------------------------------
+
+TEXTS = [f"text-{i:04d}" for i in range(100)]
+
+
+def utf8_damaged(data: bytes) -> bytes:
+    """`data` with the first byte of the text `text-0042` (stored as it is) made invalid UTF-8."""
+    at = data.index(b"text-0042")
+    return data[:at] + b"\xff" + data[at + 1 :]
+
+
+@pytest.mark.parametrize("damage", ["not parquet", "truncated", "page header", "invalid utf-8"])
+def test_a_file_that_is_not_readable_parquet_is_invalid_sample_naming_it(tmp_path: Path, damage: str) -> None:
+    """pyarrow's own errors (ArrowInvalid, OSError) and text that is not UTF-8 become InvalidSample naming the
+    file, and the CLI says so in one line."""
+    path = tmp_path / "src" / "t.parquet"
+    path.parent.mkdir()
+    pq.write_table(pa.table({"txt": TEXTS}), path, compression="none", use_dictionary=False)
+    data = path.read_bytes()
+    if damage == "not parquet":
+        path.write_text("id,txt\n1,a\n")
+    elif damage == "truncated":
+        path.write_bytes(data[: len(data) - 20])
+    elif damage == "page header":  # the first data page's header, just after the magic number
+        path.write_bytes(data[:4] + b"\xff" * 8 + data[12:])
+    else:
+        path.write_bytes(utf8_damaged(data))
+    with pytest.raises(lakestream.InvalidSample, match=f"{path}: not a readable Parquet file: "):
+        keys_of(f"parquet:{tmp_path / 'src'}")
+    url = file_url(tmp_path / "stream")
+    run_cli("init", url, "--world-size", 1, "--global-batch", 2, check=True)
+    r = run_cli("produce", url, "--producer-id", "p", "--source", f"parquet:{tmp_path / 'src'}")
+    one_line_error(r, f"{path}: not a readable Parquet file: ")
+
+
+@pytest.mark.parametrize("damage", ["not arrow", "truncated", "invalid utf-8"])
+def test_an_hf_file_that_is_not_a_readable_arrow_stream_is_invalid_sample_naming_it(
+    tmp_path: Path, damage: str
+) -> None:
+    d = tmp_path / "ds"
+    d.mkdir()
+    table = pa.table({"txt": TEXTS})
+    with pa.OSFile(str(d / "data.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        for batch in table.to_batches(max_chunksize=25):
+            w.write_batch(batch)
+    (d / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data.arrow"}]}))
+    data = (d / "data.arrow").read_bytes()
+    if damage == "not arrow":
+        (d / "data.arrow").write_text("id,txt\n1,a\n")
+    elif damage == "truncated":  # in the last record batch's body
+        (d / "data.arrow").write_bytes(data[: data.index(b"text-0080")])
+    else:
+        (d / "data.arrow").write_bytes(utf8_damaged(data))
+    with pytest.raises(lakestream.InvalidSample, match=str(d / "data.arrow")):
+        keys_of(f"hf:{d}")
+    url = file_url(tmp_path / "stream")
+    run_cli("init", url, "--world-size", 1, "--global-batch", 2, check=True)
+    r = run_cli("produce", url, "--producer-id", "p", "--source", f"hf:{d}")
+    one_line_error(r, str(d / "data.arrow"))
+
+
 # -- keys: unique by construction, and storable -------------------------------------------------------
 
 

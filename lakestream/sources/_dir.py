@@ -1,4 +1,4 @@
-"""Sources the CLI can produce from: a WebDataset-style directory, and synthetic samples."""
+"""`dir:` and `--from-dir`: the files directly in a directory, grouped into samples by name."""
 
 from __future__ import annotations
 
@@ -6,27 +6,17 @@ import bisect
 import hashlib
 import io
 import os
-import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
 
-from ._errors import ConfigMismatch, InvalidSample
-from ._layout import RESERVED_FIELDS
-
-__all__ = [
-    "DECODERS",
-    "decode_field",
-    "describe_cursor",
-    "dir_source",
-    "list_dir",
-    "reserved_names",
-    "synthetic_sample",
-    "synthetic_source",
-]
+from .._errors import ConfigMismatch, InvalidSample
+from .._layout import RESERVED_FIELDS
+from ._base import reserved_names
 
 
 def list_dir(root: Path, *, follow_symlinks: bool = False) -> list[str]:
@@ -110,11 +100,6 @@ def decode_field(field: str, data: bytes, where: str) -> Any:
         return decoder(data)
     except (ValueError, UnicodeDecodeError, orjson.JSONDecodeError, EOFError, OSError) as e:
         raise InvalidSample(f"{where}: cannot decode as .{ext}: {e}") from None
-
-
-def reserved_names() -> str:
-    """The field names a source's data may not use, for messages: `'__cost__', '__key__', '__source__'`."""
-    return ", ".join(repr(n) for n in sorted(RESERVED_FIELDS))
 
 
 def _npy(data: bytes) -> np.ndarray:
@@ -227,25 +212,13 @@ def describe_cursor(cursor: Any) -> str:
     return repr(cursor)
 
 
-def synthetic_sample(i: int, size: int, *, prefix: str = "s", work_ms: float = 0.0) -> dict[str, Any]:
-    """A multimodal-looking sample of about `size` bytes: an image-like blob, a caption, tokens."""
-    deadline = time.perf_counter() + work_ms / 1000
-    rng = np.random.default_rng(i)
-    n_tokens = int(rng.integers(16, 256))
-    blob = rng.integers(0, 256, size=max(0, size - 4 * n_tokens), dtype=np.uint8).tobytes()
-    while time.perf_counter() < deadline:  # stand-in for decode/tokenise CPU work
-        hashlib.sha256(blob[:4096]).digest()
-    return {
-        "__key__": f"{prefix}{i:09d}",
-        "jpg": blob,
-        "txt": f"synthetic sample {i} of a stream of frames",
-        "tokens": rng.integers(0, 50_000, size=n_tokens, dtype=np.int32),
-        "json": {"index": i, "tokens": n_tokens},
-    }
+@dataclass(frozen=True, slots=True)
+class DirSource:
+    """`dir:PATH`: the files directly in PATH, as `--from-dir` reads them (see `dir_source`)."""
 
+    path: str
+    decode: bool = False
+    follow_symlinks: bool = False
 
-def synthetic_source(
-    n: int, size: int, *, start: int = 0, prefix: str = "s", work_ms: float = 0.0
-) -> Iterator[tuple[dict[str, Any], int]]:
-    for i in range(start, n):
-        yield synthetic_sample(i, size, prefix=prefix, work_ms=work_ms), i + 1
+    def iterate(self, cursor: Any = None) -> Iterator[tuple[dict[str, Any], Any]]:
+        return dir_source(self.path, cursor, decode=self.decode, follow_symlinks=self.follow_symlinks)
