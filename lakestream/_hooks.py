@@ -8,14 +8,10 @@ imports only this module, so measuring never makes the engine depend on what mea
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # types only: nothing here imports the engine at run time
-    from ._gc import GcReport
-    from ._manifest import AppendResult
-    from ._producer import Producer, _Tgb
-    from ._reader import Reader
-    from ._transform import MapStats
+# The engine's objects are `Any` here: this floor names none of the modules above it, not even for
+# type checking (`lakestream.metrics` types them where it records).
 
 __all__ = [
     "NOOP_MOUNT",
@@ -45,10 +41,10 @@ class ProducerRecorder:
     def upload_failed(self, error: BaseException) -> None:
         pass
 
-    def committed(self, tgb: _Tgb, seconds: float) -> None:
+    def committed(self, tgb: Any, seconds: float) -> None:
         pass
 
-    def appended(self, result: AppendResult) -> None:
+    def appended(self, result: Any) -> None:
         pass
 
     def held(self, seconds: float) -> None:
@@ -97,19 +93,19 @@ NOOP_PRODUCER, NOOP_READER, NOOP_MOUNT = ProducerRecorder(), ReaderRecorder(), M
 class Hooks:
     """Where recorders come from; this base hands out the ones that record nothing."""
 
-    def producer(self, p: Producer) -> ProducerRecorder:
+    def producer(self, p: Any) -> ProducerRecorder:
         return NOOP_PRODUCER
 
-    def reader(self, r: Reader) -> ReaderRecorder:
+    def reader(self, r: Any) -> ReaderRecorder:
         return NOOP_READER
 
     def mount(self, fs: Any) -> MountRecorder:
         return NOOP_MOUNT
 
-    def track_map(self, stream: str, producer_id: str, stats: MapStats | None) -> None:
+    def track_map(self, stream: str, producer_id: str, stats: Any) -> None:
         pass
 
-    def gc_done(self, report: GcReport) -> None:
+    def gc_done(self, report: Any) -> None:
         pass
 
 
@@ -122,12 +118,12 @@ def install(hooks: Hooks) -> None:
     _hooks = hooks
 
 
-def producer(p: Producer) -> ProducerRecorder:
+def producer(p: Any) -> ProducerRecorder:
     """The recorder of a producer."""
     return _hooks.producer(p)
 
 
-def reader(r: Reader) -> ReaderRecorder:
+def reader(r: Any) -> ReaderRecorder:
     """The recorder of a reader of one rank (or of the mount's reader)."""
     return _hooks.reader(r)
 
@@ -137,11 +133,11 @@ def mount(fs: Any) -> MountRecorder:
     return _hooks.mount(fs)
 
 
-def track_map(stream: str, producer_id: str, stats: MapStats | None) -> None:
+def track_map(stream: str, producer_id: str, stats: Any) -> None:
     """Expose a transform's figures as the producer's (None: no transform)."""
     _hooks.track_map(stream, producer_id, stats)
 
 
-def gc_done(report: GcReport) -> None:
+def gc_done(report: Any) -> None:
     """Count a GC run."""
     _hooks.gc_done(report)
