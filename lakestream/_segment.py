@@ -23,6 +23,7 @@ in the manifest, so any flipped byte is detected before decoding.
 from __future__ import annotations
 
 import io
+import math
 import re
 import struct
 import zlib
@@ -472,10 +473,30 @@ def decode_value(tag: str, raw: bytes) -> Any:
     if tag == "s":
         return raw.decode()
     if tag == "n":
-        return np.lib.format.read_array(io.BytesIO(raw), allow_pickle=False)
+        return _read_npy(raw)
     if tag == "j":
         return orjson.loads(raw)
     raise ValueError(f"unknown field tag {tag!r}")
+
+
+def _read_npy(raw: bytes) -> np.ndarray[Any, Any]:
+    """A `.npy` field (untrusted): its header parsed, its shape checked against the bytes that are
+    really there before anything is allocated (numpy's `read_array` allocates what the header says).
+    ValueError for anything else."""
+    f = io.BytesIO(raw)
+    fmt = np.lib.format
+    try:
+        version = fmt.read_magic(f)
+        read_header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+        shape, fortran, dtype = read_header(f, max_header_size=10_000)
+    except Exception as e:  # numpy parses the header with ast: SyntaxError, tokenize errors, ...
+        raise ValueError(f"not a .npy field ({type(e).__name__}: {e})") from None
+    if dtype.hasobject:
+        raise ValueError("a .npy field of Python objects")
+    body = memoryview(raw)[f.tell() :]
+    if len(body) != math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"a .npy field of shape {shape} and dtype {dtype} in {len(body)} bytes")
+    return np.frombuffer(body, dtype=dtype).reshape(shape, order="F" if fortran else "C").copy(order="K")
 
 
 def npy_header(dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:

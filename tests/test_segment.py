@@ -20,6 +20,7 @@ from lakestream._segment import (
     decode_columns,
     decode_part,
     decode_slice,
+    decode_value,
     encode_sample,
     encode_segment,
     expand_slice,
@@ -197,6 +198,18 @@ def test_a_damaged_slice_unchecked_is_corrupt_data_or_decodes(batch: list[dict],
         decode_columns(bytes(raw))
     except CorruptData:
         pass
+
+
+def test_a_npy_field_whose_header_claims_more_than_is_there_is_refused_before_any_allocation() -> None:
+    import io
+
+    f = io.BytesIO()
+    np.lib.format.write_array_header_1_0(f, {"descr": "<f8", "fortran_order": False, "shape": (10**12,)})
+    forged = f.getvalue() + bytes(32)  # 8 TB claimed, 32 bytes there
+    with pytest.raises(ValueError, match=r"shape \(1000000000000,\)"):
+        decode_value("n", forged)
+    with pytest.raises(ValueError, match="not a .npy field"):
+        decode_value("n", b"\x93NUMPY\x01\x00\x10\x00{'descr': '<f8',}}  \n")
 
 
 def test_numpy_arrays_round_trip_as_npy_in_format_1() -> None:
