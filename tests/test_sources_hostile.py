@@ -155,14 +155,37 @@ def test_intact_shards_read_to_their_end(tmp_path: Path) -> None:
 PEAK_LIMIT_KB = 220_000  # the interpreter with pyarrow and the CLI imported is about 100 MB
 
 
+# Runs the command given after it and writes its peak RSS (VmHWM, KiB) to the file named first. The
+# process's own high-water mark is read, not the rusage of a waited-for child: Linux counts into the
+# latter the parent's memory at fork, so a large test runner would measure itself.
+PEAK_WRAPPER = """
+import atexit, runpy, sys
+out, how, what, *rest = sys.argv[1:]
+def peak():
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    with open(out, "w") as f:
+        f.write(line.split()[1])
+atexit.register(peak)
+sys.argv = [what, *rest]
+if how == "-m":
+    runpy.run_module(what, run_name="__main__", alter_sys=True)
+else:
+    exec(compile(what, "<script>", "exec"), {"__name__": "__main__"})
+"""
+
+
 def peak_rss_kb(argv: list[str], tmp_path: Path) -> tuple[int, int, str]:
-    """Run `argv` to its end; (exit status, its peak RSS in KiB, its stderr)."""
-    err = tmp_path / "stderr.txt"
+    """Run `argv` (`python -m MODULE ...` or `python -c SCRIPT`) to its end; (exit status, its peak RSS
+    in KiB, its stderr)."""
+    assert argv[0] == sys.executable and argv[1] in ("-m", "-c"), argv
+    err, out = tmp_path / "stderr.txt", tmp_path / "peak.txt"
     with open(err, "wb") as e:
-        proc = subprocess.Popen(argv, env=cli_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=e)
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, usage.ru_maxrss, err.read_text()
+        r = subprocess.run(
+            [sys.executable, "-c", PEAK_WRAPPER, str(out), *argv[1:]],
+            env=cli_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=e,
+        )  # fmt: skip
+    return r.returncode, int(out.read_text()), err.read_text()
 
 
 def test_a_member_over_max_sample_bytes_is_refused_before_it_is_read(tmp_path: Path) -> None:
