@@ -25,7 +25,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import anyio
 import obstore
 from obstore.exceptions import (
     AlreadyExistsError,
@@ -40,7 +39,6 @@ if TYPE_CHECKING:
     from obstore.store import ClientConfig, S3Config, S3Credential
 
 from .._errors import StoreError
-from .._retry import RandomSource
 from ._s3base import S3Base, retryable_response
 
 __all__ = ["ObstoreS3Store", "usable"]
@@ -127,54 +125,16 @@ def _botocore_session() -> Any:
 
 
 class ObstoreS3Store(S3Base):
-    """An object store rooted at `s3://bucket/prefix`; keys are relative to the prefix.
+    """An object store rooted at `s3://bucket/prefix` on obstore; keys are relative to the prefix.
+    Its options are `S3Base`'s (`max_pool_connections`: the idle connections kept)."""
 
-    The same keyword options as the aiobotocore `S3Store`: `endpoint_url`, `aws_access_key_id`,
-    `aws_secret_access_key`, `aws_session_token`, `region_name`, `max_pool_connections` (64 idle
-    connections kept), `connect_timeout` (5 s), `read_timeout` (60 s), `max_attempts` (50),
-    `retry_timeout` (10 s), `clock`, `sleep`, `rng`. The client is created on first use;
-    `aclose()` drops it (a later call creates a new one).
-    """
-
-    def __init__(
-        self,
-        bucket: str,
-        prefix: str = "",
-        *,
-        endpoint_url: str | None = None,
-        aws_access_key_id: str | None = None,
-        aws_secret_access_key: str | None = None,
-        aws_session_token: str | None = None,
-        region_name: str | None = None,
-        max_pool_connections: int = 64,
-        connect_timeout: float = 5.0,
-        read_timeout: float = 60.0,
-        max_attempts: int = 50,
-        retry_timeout: float = 10.0,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
-        rng: RandomSource | None = None,
-    ) -> None:
-        super().__init__(
-            bucket,
-            prefix,
-            endpoint_url=endpoint_url,
-            max_attempts=max_attempts,
-            retry_timeout=retry_timeout,
-            clock=clock,
-            sleep=sleep,
-            rng=rng,
-        )
-        self._endpoint = endpoint_url
-        self._keys = (aws_access_key_id, aws_secret_access_key, aws_session_token)
-        self._region = region_name
+    def _configure(self, *, max_pool_connections: int, connect_timeout: float, read_timeout: float) -> None:
         self._client_options: ClientConfig = {
             "connect_timeout": timedelta(seconds=connect_timeout),
             "read_timeout": timedelta(seconds=read_timeout),
             "timeout": _REQUEST_TIMEOUT,
             "pool_max_idle_per_host": str(max_pool_connections),
         }
-        self._client: Any = None
 
     # -- plumbing ------------------------------------------------------------------------------
 

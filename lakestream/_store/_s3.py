@@ -15,7 +15,6 @@ import base64
 import contextlib
 import functools
 import os
-import time
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -35,7 +34,6 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from .._errors import StoreError
-from .._retry import RandomSource
 from ._s3base import DENIED_CODES, RETRY_CODES, S3_BACKOFF, S3Base, retryable_response
 
 __all__ = ["S3_BACKOFF", "S3Store"]
@@ -64,57 +62,13 @@ def _retryable_botocore(e: Exception) -> bool:
 
 
 class S3Store(S3Base):
-    """An object store rooted at `s3://bucket/prefix`; keys are relative to the prefix.
+    """An object store rooted at `s3://bucket/prefix` on aiobotocore; keys are relative to the prefix.
+    Its options are `S3Base`'s."""
 
-    Keyword options: `endpoint_url`, `aws_access_key_id`, `aws_secret_access_key`,
-    `aws_session_token`, `region_name` (default from the environment, else 'us-east-1'),
-    `max_pool_connections` (64), `connect_timeout` (5 s), `read_timeout` (60 s),
-    `max_attempts` (50) and `retry_timeout` (10 s) for our retries: a call gives up when either
-    runs out, so with the defaults it is the time (a throttled store is retried for the full 10 s).
-    `clock`, `sleep` and `rng` time and space those retries (tests inject fakes).
-    The client is created on first use; `aclose()` releases it (a later call opens a new one).
-    """
-
-    def __init__(
-        self,
-        bucket: str,
-        prefix: str = "",
-        *,
-        endpoint_url: str | None = None,
-        aws_access_key_id: str | None = None,
-        aws_secret_access_key: str | None = None,
-        aws_session_token: str | None = None,
-        region_name: str | None = None,
-        max_pool_connections: int = 64,
-        connect_timeout: float = 5.0,
-        read_timeout: float = 60.0,
-        max_attempts: int = 50,
-        retry_timeout: float = 10.0,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
-        rng: RandomSource | None = None,
-    ) -> None:
-        super().__init__(
-            bucket,
-            prefix,
-            endpoint_url=endpoint_url,
-            max_attempts=max_attempts,
-            retry_timeout=retry_timeout,
-            clock=clock,
-            sleep=sleep,
-            rng=rng,
-        )
-        self._client_args: dict[str, Any] = {
-            k: v
-            for k, v in {
-                "endpoint_url": endpoint_url,
-                "aws_access_key_id": aws_access_key_id,
-                "aws_secret_access_key": aws_secret_access_key,
-                "aws_session_token": aws_session_token,
-            }.items()
-            if v is not None
-        }
-        self._region = region_name
+    def _configure(self, *, max_pool_connections: int, connect_timeout: float, read_timeout: float) -> None:
+        names = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
+        given = {"endpoint_url": self._endpoint, **dict(zip(names, self._keys))}
+        self._client_args: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
         self._config = AioConfig(
             s3={"addressing_style": "path"},
             retries={"total_max_attempts": 1, "mode": "standard"},  # retries are ours
@@ -126,7 +80,6 @@ class S3Store(S3Base):
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        self._client: Any = None
         self._stack = contextlib.AsyncExitStack()
         self._lock = anyio.Lock()
 

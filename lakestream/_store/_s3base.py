@@ -9,8 +9,11 @@ and `retry_timeout` seconds, then raise StoreUnavailable.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Self, TypeVar
+
+import anyio
 
 from .._errors import AccessDenied, BucketNotFound, ObjectNotFound, StoreError, StoreUnavailable
 from .._retry import Backoff, RandomSource, retry
@@ -56,19 +59,36 @@ def retryable_response(code: str, status: int) -> bool:
 
 
 class S3Base:
-    """The parts of an `s3://bucket/prefix` store that do not depend on the client."""
+    """The parts of an `s3://bucket/prefix` store that do not depend on the client.
+
+    Keyword options, the same for both clients: `endpoint_url`, `aws_access_key_id`,
+    `aws_secret_access_key`, `aws_session_token`, `region_name` (default from the environment, else
+    'us-east-1'), `max_pool_connections` (64), `connect_timeout` (5 s), `read_timeout` (60 s),
+    `max_attempts` (50) and `retry_timeout` (10 s) for our retries: a call gives up when either runs
+    out, so with the defaults it is the time (a throttled store is retried for the full 10 s).
+    `clock`, `sleep` and `rng` time and space those retries (tests inject fakes). The client is
+    created on first use; `aclose()` releases it (a later call opens a new one). A client's store
+    turns these options into its own configuration in `_configure`.
+    """
 
     def __init__(
         self,
         bucket: str,
-        prefix: str,
+        prefix: str = "",
         *,
-        endpoint_url: str | None,
-        max_attempts: int,
-        retry_timeout: float,
-        clock: Callable[[], float],
-        sleep: Callable[[float], Awaitable[None]],
-        rng: RandomSource | None,
+        endpoint_url: str | None = None,
+        aws_access_key_id: str | None = None,
+        aws_secret_access_key: str | None = None,
+        aws_session_token: str | None = None,
+        region_name: str | None = None,
+        max_pool_connections: int = 64,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 60.0,
+        max_attempts: int = 50,
+        retry_timeout: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+        rng: RandomSource | None = None,
     ) -> None:
         if not bucket or "/" in bucket:
             raise ValueError(f"invalid S3 bucket name {bucket!r}")
@@ -88,6 +108,17 @@ class S3Base:
             or os.environ.get("AWS_ENDPOINT_URL")
             or "the default AWS endpoint"
         )
+        self._endpoint = endpoint_url
+        self._keys = (aws_access_key_id, aws_secret_access_key, aws_session_token)
+        self._region = region_name
+        self._client: Any = None
+        self._configure(
+            max_pool_connections=max_pool_connections, connect_timeout=connect_timeout, read_timeout=read_timeout
+        )
+
+    def _configure(self, *, max_pool_connections: int, connect_timeout: float, read_timeout: float) -> None:
+        """The client's configuration from the connection options (each client's store has its own)."""
+        raise NotImplementedError
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
