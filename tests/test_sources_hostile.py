@@ -401,15 +401,21 @@ def test_parquet_keys_tell_hive_partitions_and_spark_names_apart(tmp_path: Path)
         "part-00000-c000%2Esnappy-000000001",
         *[f"y={y}%2Fpart-0-{i:09d}" for y in (1, 2) for i in range(3)],
     ]
-    url = file_url(tmp_path / "stream")
-    run_cli("init", url, "--world-size", 1, "--global-batch", 4, check=True)
-    run_cli("produce", url, "--producer-id", "p", "--source", f"parquet:{src}", check=True)
-    run_cli("verify", url, check=True)
-    run_cli("read", url, "--rank", 0, "--out", tmp_path / "out", check=True)
-    files = {n: v for step in read_out_dir(tmp_path / "out").values() for n, v in step.items()}
+    _, files = produced_files(f"parquet:{src}", 4, tmp_path)
     assert files["y=2%2Fpart-0-000000001.v"] == b"2-1"
     assert files["part-00000-c000%2Esnappy-000000001.v"] == b"s-1"
     assert len(files) == 8
+
+
+def produced_files(spec: str, batch: int, tmp_path: Path) -> tuple[str, dict[str, bytes]]:
+    """Produce `spec` into a new 1-rank stream, verify it, and read it back with `read --out`:
+    the stream's URL and {file name: bytes}."""
+    url = file_url(tmp_path / "stream")
+    run_cli("init", url, "--world-size", 1, "--global-batch", batch, check=True)
+    run_cli("produce", url, "--producer-id", "p", "--source", spec, check=True)
+    run_cli("verify", url, check=True)
+    run_cli("read", url, "--rank", 0, "--out", tmp_path / "out", check=True)
+    return url, {n: v for step in read_out_dir(tmp_path / "out").values() for n, v in step.items()}
 
 
 def test_tar_members_in_directories_and_dot_slash_members_are_read(tmp_path: Path) -> None:
@@ -431,12 +437,7 @@ def test_tar_members_in_directories_and_dot_slash_members_are_read(tmp_path: Pat
         {"__key__": "b%2Ec%2F0017", "txt": b"t17b"},
         {"__key__": "d%2F%2541", "txt": b"pct"},
     ]
-    url = file_url(tmp_path / "stream")
-    run_cli("init", url, "--world-size", 1, "--global-batch", 2, check=True)
-    run_cli("produce", url, "--producer-id", "p", "--source", f"wds:{tmp_path / 'a.tar'}", check=True)
-    run_cli("verify", url, check=True)
-    run_cli("read", url, "--rank", 0, "--out", tmp_path / "out", check=True)
-    files = {n: v for step in read_out_dir(tmp_path / "out").values() for n, v in step.items()}
+    url, files = produced_files(f"wds:{tmp_path / 'a.tar'}", 2, tmp_path)
     assert files == {
         "0001.jpg": b"j1",
         "0001.json": b"{}",

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -317,18 +317,22 @@ async def test_s3_bad_credentials(
             assert s3_server.endpoint_url in str(info.value) and bucket in str(info.value)
 
 
+def every_call(store: ObjectStore) -> tuple[Callable[[], Awaitable[Any]], ...]:
+    """One call of each operation of `store`, on key `k`."""
+    return (
+        lambda: store.get("k"),
+        lambda: store.get_range("k", 0, 1),
+        lambda: store.put("k", b"v"),
+        lambda: store.put_if_absent("k", b"v"),
+        lambda: store.list(""),
+        lambda: store.delete(["k"]),
+    )
+
+
 async def test_s3_missing_bucket(s3_server: S3Server, s3_url: str, client: str) -> None:
     url = "s3://lakestream-no-such-bucket/p"
     async with open_store(url) as store:
-        calls = (
-            lambda: store.get("k"),
-            lambda: store.get_range("k", 0, 1),
-            lambda: store.put("k", b"v"),
-            lambda: store.put_if_absent("k", b"v"),
-            lambda: store.list(""),
-            lambda: store.delete(["k"]),
-        )
-        for call in calls:
+        for call in every_call(store):
             with pytest.raises(BucketNotFound) as info:
                 await call()
             assert isinstance(info.value, FileNotFoundError)
@@ -360,14 +364,7 @@ async def test_s3_throttling_is_retried_then_reported(monkeypatch: pytest.Monkey
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     with Answering(b"503 Slow Down", b"SlowDown") as server:
         async with open_store("s3://b/p", endpoint_url=server.url, max_attempts=3, retry_timeout=30) as store:
-            for call in (
-                lambda: store.get("k"),
-                lambda: store.get_range("k", 0, 1),
-                lambda: store.put("k", b"v"),
-                lambda: store.put_if_absent("k", b"v"),
-                lambda: store.list(""),
-                lambda: store.delete(["k"]),
-            ):
+            for call in every_call(store):
                 before = server.requests
                 with pytest.raises(StoreUnavailable, match="SlowDown") as info:
                     await call()
