@@ -342,8 +342,7 @@ class Producer:
             )
             seq, self._next_seq = self._next_seq, self._next_seq + 1
             key = segment_key(self.id, self.epoch, seq, self._wall())
-            await retry(lambda: self.store.put(key, data), attempts=None, on_error=self._metrics.upload_failed)
-            self._metrics.uploaded(len(data))
+            await self._put_segment(key, data)
             counts: dict[str, int] = {}
             for pid, i in tgb:
                 counts[pid] = counts.get(pid, 0) + 1
@@ -397,6 +396,12 @@ class Producer:
 
     # -- internals -----------------------------------------------------------------------------
 
+    async def _put_segment(self, key: str, data: bytes) -> None:
+        """Upload a segment (a TGB, a leftover, a packed TGB), retried for as long as it takes, and count it."""
+        await retry(lambda: self.store.put(key, data), attempts=None, on_error=self._metrics.upload_failed)
+        self._metrics.uploaded(len(data))
+        self.stats.bytes_uploaded += len(data)
+
     async def _upload_leftover(self) -> tuple[decisions.PendingTgb, tuple[int, int, int]]:
         """Upload the open partial batch as this producer's leftover: one slice of its samples, then
         each sample's cursor, source and cost as JSON (what a packer needs to cut it anywhere)."""
@@ -413,9 +418,7 @@ class Producer:
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         key = segment_key(self.id, self.epoch, seq, self._wall())
         blob = data + side
-        await retry(lambda: self.store.put(key, blob), attempts=None, on_error=self._metrics.upload_failed)
-        self._metrics.uploaded(len(blob))
-        self.stats.bytes_uploaded += len(blob)
+        await self._put_segment(key, blob)
         ref = TgbRef(key, (tuple(slices[0]),), self._last_cursor, self._mix, sources, self._checksum)  # type: ignore[arg-type]
         return decisions.PendingTgb(seq, ref), (len(data), len(side), zlib.crc32(side))
 
@@ -520,11 +523,9 @@ class Producer:
             parts = [[tgb.samples[i] for i in r] for r in ranks]
             data, slices = await anyio.to_thread.run_sync(encode_segment, parts, self._checksum)
             key = segment_key(self.id, self.epoch, tgb.seq, self._wall())
-            await retry(lambda: self.store.put(key, data), attempts=None, on_error=self._metrics.upload_failed)
-            self._metrics.uploaded(len(data))
+            await self._put_segment(key, data)
             ranks_ref = tuple((r[0], r[1], r[2], r[3]) for r in slices)
             tgb.ref, tgb.samples = TgbRef(key, ranks_ref, tgb.cursor, tgb.mix, tgb.sources, self._checksum), []
-            self.stats.bytes_uploaded += len(data)
             self._notify()
         except Exception as e:
             self._fail(e)
