@@ -117,10 +117,7 @@ def _shard(text: str) -> tuple[int, int]:
 
 def _port(text: str) -> int:
     """An argparse type: a TCP port (0: any free one)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    value = _integer(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a TCP port (0..65535)")
     return value
