@@ -358,12 +358,17 @@ class State:
                   f"reshape: it changes the global batch of step {change}; a new global batch applies from at "
                   f"most the step after the head ({self.head + 1})")  # fmt: skip
 
+    def _incarnation(self, kind: str, pid: str, epoch: int) -> ProducerState:
+        """The producer a `kind` record of `pid` at `epoch` writes for: registered, that epoch current."""
+        p = self.producers.get(pid)
+        _need(p is not None, f"{kind}: producer {pid!r} is not registered")
+        assert p is not None
+        _need(epoch == p.epoch, f"{kind} {pid}: epoch {epoch!r} is fenced by {p.epoch}")
+        return p
+
     def _validate_commit(self, r: CommitRecord, config: Config) -> None:
         pid = r.producer
-        p = self.producers.get(pid)
-        _need(p is not None, f"commit: producer {pid!r} is not registered")
-        assert p is not None
-        _need(r.epoch == p.epoch, f"commit {pid}: epoch {r.epoch!r} is fenced by {p.epoch}")
+        p = self._incarnation("commit", pid, r.epoch)
         _need(r.seq == p.seq + 1, f"commit {pid}: seq {r.seq!r} is not the next ({p.seq + 1})")
         for i, t in enumerate(r.tgbs):
             # Each TGB's own key: never one committed before (its seq would be committed already).
@@ -389,10 +394,7 @@ class State:
 
     def _validate_finish(self, r: FinishRecord) -> None:
         pid = r.producer
-        p = self.producers.get(pid)
-        _need(p is not None, f"finish: producer {pid!r} is not registered")
-        assert p is not None
-        _need(r.epoch == p.epoch, f"finish {pid}: epoch {r.epoch!r} is fenced by {p.epoch}")
+        p = self._incarnation("finish", pid, r.epoch)
         _need(not p.finished, f"finish {pid}: epoch {p.epoch} already finished")
         _need(r.head == self.head, f"finish {pid}: head {r.head} is not the head {self.head}")
         t = r.leftover
