@@ -5,7 +5,7 @@
     .venv/bin/python bench/scale.py --rows 256,10,32 --duration 120
 
 What runs is the library itself: `lakestream.create`, `open_producer` (Producer, its Manifest and
-commit policy), `open_reader` (Reader.steps) and `lakestream.checkpoint`, through the public API,
+commit policy), `open_reader` (Reader.steps, Reader.checkpoint), through the public API,
 on anyio's trio backend under `trio.testing.MockClock(autojump_threshold=0)`: time only passes in
 sleeps, and jumps to the next one as soon as every task waits. The store is
 `lakestream.testing.SimulatedS3`: S3's latencies (PUT median 60 ms, p99 200 ms; GET 25 / 100 ms),
@@ -19,8 +19,9 @@ The load of a row (N, D, R): a stream of world size R, global batch R (one tiny 
 one TGB every N/D seconds (open loop, from a random phase: together D TGBs, i.e. steps, per
 second), putting its R samples at once. R readers (one `Reader` per rank) read in lock-step: the
 trainer takes step s once every rank has it, spends 1/D s on it, and rank 0 then records a
-checkpoint every `--checkpoint-every` steps (`lakestream.checkpoint`, which blocks the trainer, as
-`lakestream.torch.checkpoint_hook` does); no rank asks for step s + 1 before that.
+checkpoint every `--checkpoint-every` steps (`Reader.checkpoint` on rank 0's reader; the trainer
+waits for the call to return, which records in the background); no rank asks for step s + 1
+before that. Rank 0's reader publishes the consumption mark back-pressure counts from.
 
 Figures are taken over a window of `--duration` simulated seconds that starts `--warmup` seconds
 after the last producer registered (or, if they never all register, at `--warmup`):
@@ -34,7 +35,7 @@ after the last producer registered (or, if they never all register, at `--warmup
     max_lead_steps         max of head - last step taken, over the window
     jain                   Jain's index of the producers' served fractions (TGBs committed by the end /
                            TGBs due 5 s before it), over producers with a TGB due
-    checkpoint_block_p99_ms  how long `checkpoint()` blocked the trainer (every call of the run)
+    checkpoint_block_p99_ms  how long recording a checkpoint blocked the trainer (every call of the run)
     committed_fraction     TGBs committed in the window / D x its length
 
 A row whose simulation outruns `--budget` CPU seconds (or `--max-rss-gb`) is cut short and says
@@ -183,6 +184,7 @@ class _Run:
     checkpoint_errors: list[str] = field(default_factory=list)
     truncated: str = ""
     rss_peak: float = 0.0
+    reader0: lakestream.Reader | None = None  # rank 0's, which records the checkpoints
 
     def in_window(self) -> bool:
         """After the warm-up, until the window opens (a run that never opens one is measured from
@@ -237,6 +239,8 @@ async def _producer(run: _Run, i: int) -> None:
 async def _rank(run: _Run, rank: int, have: dict[int, int], all_have: _Gate, released: _Gate) -> None:
     store = run.bucket.client("reader")
     async with lakestream.open_reader(store, rank, run.row.r, clock=now) as reader:
+        if rank == 0:
+            run.reader0 = reader
         async for batch in reader.steps(0):
             s = batch.step
             have[s] = have.get(s, 0) + 1
@@ -247,7 +251,6 @@ async def _rank(run: _Run, rank: int, have: dict[int, int], all_have: _Gate, rel
 
 async def _trainer(run: _Run, all_have: _Gate, released: _Gate) -> None:
     row = run.row
-    store = run.bucket.client("checkpoint")
     s = 0
     while True:
         await all_have.wait_for(s)
@@ -257,7 +260,8 @@ async def _trainer(run: _Run, all_have: _Gate, released: _Gate) -> None:
         if (s + 1) % row.checkpoint_every == 0:
             started = now()
             try:
-                await lakestream.checkpoint(store, f"step-{s}", s)
+                assert run.reader0 is not None  # rank 0 read step s: its reader is open
+                await run.reader0.checkpoint(f"step-{s}", s)
             except lakestream.LakestreamError as e:
                 run.checkpoint_errors.append(f"step {s}: {type(e).__name__}: {e}")
             run.blocks.append(now() - started)

@@ -698,7 +698,7 @@ async def _read(a: argparse.Namespace) -> int:
     out = Path(a.out) if a.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-    async with lakestream.open_reader(a.url, a.rank, raw=True) as r:
+    async with lakestream.open_reader(a.url, a.rank, raw=True, publish_consumed=False) as r:
         start = a.from_step if a.from_step is not None else r.state.first_step
         stop = a.to_step + 1 if a.to_step is not None else r.state.head + 1
         n = nbytes = 0

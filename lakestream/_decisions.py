@@ -53,7 +53,10 @@ __all__ = [
     "release",
     "reshape",
     "rewind",
+    "room",
 ]
+
+UNLIMITED = 1 << 30
 
 
 def create(config: Config, now: float) -> CreateRecord:
@@ -84,6 +87,21 @@ def current_incarnation(state: State, producer: str, epoch: int, url: str = "") 
     return p
 
 
+def room(state: State, consumed: int | None = None) -> int:
+    """How many steps may be committed after the head: back-pressure holds the head to
+    `max_steps_ahead` steps past its base, the newest of the step the trainer consumed last
+    (`consumed`, from its mark; a mark past the head counts as the head) and the oldest retained
+    checkpoint's step (with neither, the step before the first readable one)."""
+    assert state.config is not None
+    limit = state.config.max_steps_ahead
+    if not limit:
+        return UNLIMITED
+    base = state.watermark if state.checkpoints else state.first_step - 1
+    if consumed is not None:
+        base = max(base, min(consumed, state.head))
+    return limit - (state.head - base)
+
+
 @dataclass(frozen=True, slots=True)
 class PendingTgb:
     """An uploaded TGB waiting for its commit: its sequence number and where it is."""
@@ -93,14 +111,24 @@ class PendingTgb:
 
 
 def commit(
-    state: State, producer: str, epoch: int, pending: Sequence[PendingTgb], lost: int, now: float, url: str = ""
+    state: State,
+    producer: str,
+    epoch: int,
+    pending: Sequence[PendingTgb],
+    lost: int,
+    now: float,
+    url: str = "",
+    *,
+    consumed: int | None = None,
 ) -> CommitRecord | None:
-    """Commit the `pending` TGBs (in sequence order) that are not committed yet; `lost` is the
-    number of races this commit has lost so far. Raises ProducerFenced."""
+    """Commit the `pending` TGBs (in sequence order) that are not committed yet, as many as
+    back-pressure leaves room for (`room`, with the trainer's `consumed` mark); `lost` is the
+    number of races this commit has lost so far. None when all landed (an ambiguous put whose
+    answer was lost) or there is no room. Raises ProducerFenced."""
     p = current_incarnation(state, producer, epoch, url)
-    todo = [t for t in pending if t.seq > p.seq]
+    todo = [t for t in pending if t.seq > p.seq][: max(0, room(state, consumed))]
     if not todo:
-        return None  # all landed (an ambiguous put whose answer was lost)
+        return None
     for i, t in enumerate(todo):
         _check_mix(state, producer, t.seq, t.ref, state.head + 1 + i, url)
     return CommitRecord(producer, epoch, todo[0].seq, tuple(t.ref for t in todo), lost, now)

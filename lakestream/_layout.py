@@ -3,6 +3,8 @@
     <stream>/_lakestream/log/<version:020d>.json               one record per version
     <stream>/_lakestream/snapshots/<version:020d>.json         the state at that version
     <stream>/_lakestream/last_snapshot                         hint {"version": v}
+    <stream>/_lakestream/tail                                  hint {"version": v, "head": h}
+    <stream>/_lakestream/consumed                              mark {"step": s}
     <stream>/segments/<producer>/<epoch>-<seq>-<t><rand>.tgb   one immutable object per TGB
     .<name>.<hex>.tmp beside an object                         a put in progress (file://)
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import uuid
 
 __all__ = [
+    "CONSUMED_KEY",
     "COST_FIELD",
     "HINT_KEY",
     "KEY_FIELD",
@@ -29,6 +32,7 @@ __all__ = [
     "SNAPSHOT_PREFIX",
     "SOURCE_FIELD",
     "STATUS_NAME",
+    "TAIL_KEY",
     "TMP_SUFFIX",
     "log_key",
     "parse_segment_key",
@@ -43,6 +47,8 @@ __all__ = [
 LOG_PREFIX = "_lakestream/log/"
 SNAPSHOT_PREFIX = "_lakestream/snapshots/"
 HINT_KEY = "_lakestream/last_snapshot"
+TAIL_KEY = "_lakestream/tail"  # where the log ends, as its last writer saw it (a hint)
+CONSUMED_KEY = "_lakestream/consumed"  # the step the trainer consumed last (back-pressure's base)
 SEGMENTS_PREFIX = "segments/"
 TMP_SUFFIX = ".tmp"
 

@@ -22,16 +22,29 @@ __all__ = ["checkpoint", "mix", "release", "reshape", "rewind"]
 
 
 async def checkpoint(
-    store: ObjectStore, checkpoint_id: str, step: int, *, wall: Callable[[], float] = time.time
+    store: ObjectStore,
+    checkpoint_id: str,
+    step: int,
+    *,
+    manifest: Manifest | None = None,
+    wall: Callable[[], float] = time.time,
 ) -> bool:
     """Record that the trainer's checkpoint `checkpoint_id` at `step` is durable.
+
+    `manifest`: a view of the stream that is followed already (a reader's): it is caught up and
+    appended to, instead of loading the log afresh. A throttled or unreachable store is retried
+    for as long as it takes, as every reader does.
 
     True if recorded, False if it already was (same id and step). Raises ConfigMismatch for the same
     id at another step, StepUnavailable for a step that is not committed or not retained, and
     ValueError for a step older than the newest checkpoint (`_decisions.checkpoint`).
     """
-    m = Manifest(store)
-    await m.load()
+    m = manifest
+    if m is None:
+        m = Manifest(store, retries=None)
+        await m.load()
+    else:
+        await m.refresh()
     result = await m.append(lambda st, _: decisions.checkpoint(st, checkpoint_id, step, wall(), store.url))
     return result.version is not None
 

@@ -62,7 +62,7 @@ import orjson
 
 from . import _decisions as decisions
 from ._errors import ConfigMismatch, CorruptData, ObjectNotFound, StoreUnavailable, StreamNotFound
-from ._layout import HINT_KEY, LOG_PREFIX, SNAPSHOT_PREFIX, log_key, snapshot_key, version_of
+from ._layout import CONSUMED_KEY, HINT_KEY, LOG_PREFIX, SNAPSHOT_PREFIX, TAIL_KEY, log_key, snapshot_key, version_of
 from ._records import Record, encode_record
 from ._retry import STORE_BACKOFF, retry
 from ._state import Config, State
@@ -432,6 +432,44 @@ class Manifest:
                 self.confirmed_at = self.clock()
                 self._observe_growth(self.confirmed_at)
             return AppendResult(version, record, conflicts, self._probe_latency, put_latency)
+
+    # -- hints: where the log ends, what the trainer consumed ------------------------------------
+
+    async def _small_object(self, key: str, fields: tuple[str, ...]) -> tuple[int, ...] | None:
+        """The integers `fields` of the small JSON object at `key` (a hint anyone could have
+        written: validated, and None with a warning when it is not what it should be)."""
+        data = await self._get(key)
+        self.requests += 1
+        if data is None:
+            return None
+        try:
+            d = orjson.loads(data[:256])
+            values = tuple(d[f] for f in fields)
+        except (ValueError, KeyError, TypeError):
+            values = ()
+        if len(values) != len(fields) or not all(type(v) is int and -1 <= v < 1 << 63 for v in values):
+            log.warning("%s: ignoring the unreadable %s: %r", self.url, key, data[:100])
+            return None
+        return values
+
+    async def read_tail(self) -> tuple[int, int] | None:
+        """(version, head) where the log ended when its last writer wrote the tail hint, or None.
+        A hint: it may be behind (a slower writer's), never trusted for more than where to look."""
+        tail = await self._small_object(TAIL_KEY, ("version", "head"))
+        return None if tail is None else (tail[0], tail[1])
+
+    async def write_tail(self, version: int, head: int) -> None:
+        await self.store.put(TAIL_KEY, orjson.dumps({"version": version, "head": head}))
+        self.requests += 1
+
+    async def read_consumed(self) -> int | None:
+        """The step the trainer consumed last, as its reader last published it (`publish_consumed`)."""
+        mark = await self._small_object(CONSUMED_KEY, ("step",))
+        return None if mark is None else mark[0]
+
+    async def publish_consumed(self, step: int, now: float) -> None:
+        await self.store.put(CONSUMED_KEY, orjson.dumps({"step": step, "ts": now}))
+        self.requests += 1
 
     async def write_snapshot(self, state_json: bytes, version: int) -> None:
         """Store a snapshot (same bytes from every writer) and point the hint at it."""

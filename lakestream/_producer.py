@@ -54,6 +54,7 @@ __all__ = ["Producer", "ProducerStats"]
 log = logging.getLogger("lakestream.producer")
 
 RECHECK_AFTER = 60.0  # seconds a TGB may wait uncommitted before its segment is checked again
+HOLD_POLL = (0.01, 0.5)  # a producer held by back-pressure looks again after this, doubling to at most that
 
 
 @dataclass(slots=True)
@@ -137,6 +138,8 @@ class Producer:
         self._keys: set[str] = set()
         self._last_cursor: Any = None
         self._pending: deque[_Tgb] = deque()
+        self._mark: int | None = None  # the trainer's consumption mark, as last read
+        self._mark_at = -math.inf
         self._inflight = 0
         self._changed = anyio.Event()
         self._closing = False
@@ -548,6 +551,8 @@ class Producer:
                 while not self._flushing and (left := deadline - self._clock()) > 0:
                     with anyio.move_on_after(left):
                         await self._wait_changed()
+                if self.config.max_steps_ahead and self._clock() - self._mark_at > HOLD_POLL[1]:
+                    await self._read_mark()  # the room is checked at commit on a fresh mark and log
                 room = await self._room()
                 ready = self._ready()[: min(room, self._policy.group_cap)]  # and what became ready meanwhile
                 await self._commit(ready, fresh=decision.fresh)
@@ -555,26 +560,39 @@ class Producer:
             self._fail(e)
 
     async def _room(self, *, for_upload: bool = False) -> int:
-        """How many steps may be committed now: wait while `head - watermark >= max_steps_ahead`
-        (the stream's back-pressure; with no checkpoint the base is the first readable step).
-        `for_upload`: room for one more TGB, counting this producer's uncommitted ones as taken."""
-        limit = self.config.max_steps_ahead
-        interval = 0.01
-        while limit:
+        """How many steps may be committed now (`_decisions.room`: the head at most
+        `max_steps_ahead` past the trainer's consumption mark or the oldest checkpoint), waiting
+        while there is none. `for_upload`: room for one more TGB, counting this producer's
+        uncommitted ones as taken. A held producer looks at the mark and the log's next version
+        twice a second at most."""
+        if not self.config.max_steps_ahead:
+            return decisions.UNLIMITED
+        interval = HOLD_POLL[0]
+        held = None
+        while True:
             self._check()
-            s = self.manifest.state
-            base = s.watermark if s.checkpoints else s.first_step - 1
-            room = limit - (s.head - base) - (len(self._pending) if for_upload else 0)
+            taken = len(self._pending) if for_upload else 0
+            room = decisions.room(self.manifest.state, self._mark) - taken
             if room > 0:
+                if held is not None:
+                    self._metrics.held(self._clock() - held)
                 return room
-            self.stats.backpressure_waits += 1
-            held = self._clock()
+            if held is None:
+                held = self._clock()
+                self.stats.backpressure_waits += 1
+            elif self._clock() - self._mark_at >= HOLD_POLL[1]:
+                await self._read_mark()
+                await self.manifest.refresh(window=1)  # one GET unless the log moved
+                self._drop_committed(self.manifest.state)
+                continue
             await anyio.sleep(interval)
-            interval = min(interval * 2, 1.0)
-            await self.manifest.refresh()
-            self._drop_committed(self.manifest.state)
-            self._metrics.held(self._clock() - held)
-        return 1 << 30
+            interval = min(interval * 2, HOLD_POLL[1])
+
+    async def _read_mark(self) -> None:
+        mark = await self.manifest.read_consumed()
+        self._mark_at = self._clock()
+        if mark is not None or self._mark is None:
+            self._mark = mark  # a mark that went away (deleted, unreadable) keeps the last one seen
 
     def _active(self) -> int:
         """Producers with a commit record in the policy's activity window, this one included."""
@@ -635,7 +653,9 @@ class Producer:
 
         def decide(state: State, lost: int) -> Record | None:
             self.stats.commit_attempts += 1
-            return decisions.commit(state, self.id, self.epoch, pending, lost, self._wall(), self.manifest.url)
+            return decisions.commit(
+                state, self.id, self.epoch, pending, lost, self._wall(), self.manifest.url, consumed=self._mark
+            )
 
         result = await self.manifest.append(decide, fresh=fresh, conflict_delay=self._policy.conflict_delay)
         self.stats.conflicts += result.conflicts
@@ -651,10 +671,20 @@ class Producer:
         self._notify()
 
     def _appended(self, version: int) -> None:
-        """Whoever writes a version that is a multiple of `snapshot_every` snapshots it, off the
-        commit path (the state is copied now; serialising and writing happen in the background)."""
-        if version % self.config.snapshot_every == 0 and self._tg is not None:
+        """Off the commit path: the writer of a version points the tail hint at it, and whoever
+        writes a version that is a multiple of `snapshot_every` snapshots it (the state is copied
+        now; serialising and writing happen in the background)."""
+        if self._tg is None:
+            return
+        self._tg.start_soon(self._write_tail, version, self.manifest.state.head)
+        if version % self.config.snapshot_every == 0:
             self._tg.start_soon(self._snapshot, self.manifest.state.copy())
+
+    async def _write_tail(self, version: int, head: int) -> None:
+        try:
+            await self.manifest.write_tail(version, head)
+        except Exception as e:  # best effort: a stale tail costs a held producer a log read
+            log.debug("%s: tail hint at version %d failed: %s", self.manifest.url, version, e)
 
     async def _collect_garbage(self, interval: float) -> None:
         """GC in the background, every `interval` seconds; failures are logged, not fatal."""

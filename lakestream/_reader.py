@@ -9,8 +9,10 @@ of the fetched bytes). The next `prefetch` committed steps are fetched ahead, wi
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +24,7 @@ import numpy as np
 from . import _hooks
 from ._batching import reslice
 from ._errors import ConfigMismatch, CorruptData, ObjectNotFound, StepUnavailable
+from ._lifecycle import checkpoint as _checkpoint
 from ._manifest import Manifest
 from ._retry import retry
 from ._segment import (
@@ -38,6 +41,10 @@ from ._store import ObjectStore
 from ._tasks import cancel_task_group, enter_task_group
 
 __all__ = ["RankBatch", "RawSlice", "Reader"]
+
+PUBLISH_EVERY = 0.5  # seconds between puts of the consumption mark, at most
+
+log = logging.getLogger("lakestream.reader")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +83,14 @@ class RawSlice:
 
 
 @dataclass(slots=True)
+class _Checkpoint:
+    id: str
+    step: int
+    recorded: bool = False
+    done: anyio.Event = field(default_factory=anyio.Event)
+
+
+@dataclass(slots=True)
 class _Fetch:
     nbytes: int
     done: anyio.Event = field(default_factory=anyio.Event)
@@ -98,6 +113,7 @@ class Reader:
         verify: bool = True,
         raw: bool = False,
         collate: bool = False,
+        publish_consumed: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if rank is not None and (type(rank) is not int or rank < 0):
@@ -115,6 +131,11 @@ class Reader:
         self.collate = collate
         if raw and collate:
             raise ValueError("a reader decodes fields either raw or collated, not both")
+        # The trainer's consumption mark, which back-pressure counts from: rank 0 publishes it.
+        self.publish_consumed = rank == 0 if publish_consumed is None else publish_consumed
+        self.consumed = -1  # the last step `steps` yielded whose next step was then asked for
+        self._checkpoints: deque[_Checkpoint] = deque()  # asked for, not recorded yet; the first in progress
+        self._checkpoint_error: Exception | None = None
         self.bytes_fetched = 0
         self.requests = 0
         self._fetches: dict[tuple[int, int, int], _Fetch] = {}  # see _key
@@ -143,7 +164,23 @@ class Reader:
             raise ValueError(f"{self.url}: rank {self.rank} is out of range for world size {w}")
         self.world_size = w
         self._tg = await enter_task_group()
+        if self.publish_consumed:
+            self._tg.start_soon(self._publish)
         return self
+
+    async def _publish(self) -> None:
+        """Publish the consumption mark every PUBLISH_EVERY seconds while it moves (one small
+        blind PUT; a failure is retried at the next turn, never fatal)."""
+        published = -1
+        while True:
+            await anyio.sleep(PUBLISH_EVERY)
+            if self.consumed != published:
+                step = self.consumed
+                try:
+                    await self.manifest.publish_consumed(step, time.time())
+                    published = step
+                except Exception as e:
+                    log.debug("%s: publishing the consumption mark failed: %s", self.url, e)
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
@@ -152,6 +189,45 @@ class Reader:
         tg, self._tg = self._tg, None
         await cancel_task_group(tg)
         self._fetches.clear()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    async def checkpoint(self, checkpoint_id: str, step: int, *, wait: bool = False) -> bool:
+        """Record the trainer's checkpoint `checkpoint_id` at `step` (`lakestream.checkpoint`) on
+        this reader's view of the log, which is followed already: no reload of the log. Without
+        `wait` it is recorded in the background and returns True at once, so a training step is
+        not held up; checkpoints are recorded in the order asked, and an error surfaces at the
+        next `steps` iteration, `read_step` or `checkpoint`. With `wait`, after every earlier one,
+        what `lakestream.checkpoint` returns and raises."""
+        self._raise_checkpoint_error()
+        if self._tg is None:
+            raise RuntimeError("reader is closed")
+        turn = _Checkpoint(checkpoint_id, step)
+        self._checkpoints.append(turn)
+        if len(self._checkpoints) == 1:
+            self._tg.start_soon(self._record_checkpoints)
+        if not wait:
+            return True
+        await turn.done.wait()
+        self._raise_checkpoint_error()
+        return turn.recorded
+
+    async def _record_checkpoints(self) -> None:
+        while self._checkpoints:
+            turn = self._checkpoints[0]
+            try:
+                if self._checkpoint_error is None:
+                    turn.recorded = await _checkpoint(self.store, turn.id, turn.step, manifest=self.manifest)
+            except Exception as e:
+                self._checkpoint_error = e
+            finally:
+                self._checkpoints.popleft()
+                turn.done.set()
+
+    def _raise_checkpoint_error(self) -> None:
+        if (e := self._checkpoint_error) is not None:
+            self._checkpoint_error = None
+            raise e
 
     # -- following the log ---------------------------------------------------------------------
 
@@ -198,6 +274,7 @@ class Reader:
 
     async def read_step(self, step: int, *, timeout: float | None = None) -> RankBatch:
         """This rank's samples of `step`, waiting for it to be committed."""
+        self._raise_checkpoint_error()
         entry = await self.wait_for_step(step, timeout=timeout)
         fetch = self._start(entry)
         await fetch.done.wait()
@@ -234,6 +311,7 @@ class Reader:
             last = entry
             self._metrics.stalled(time.perf_counter() - asked)
             yield batch
+            self.consumed = step
             step += 1
 
     def _prefetch_after(self, step: int, stop: int | None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import anyio
+import orjson
 import pytest
 
 import lakestream
@@ -140,6 +141,77 @@ async def test_back_pressure_holds_producers_until_a_checkpoint(tmp_path) -> Non
         await head_settles_at(8)
         await lakestream.checkpoint(store, "c3", 8)
     assert (await lakestream.load_state(store)).head == 9
+
+
+def test_room_counts_from_the_newest_of_the_consumption_mark_and_the_oldest_checkpoint() -> None:
+    from lakestream import _decisions as decisions
+    from lakestream._records import CheckpointRecord, CommitRecord, RegisterRecord, TgbRef, encode_record
+    from lakestream._state import Config, State
+
+    state = State()
+    state.apply(0, encode_record(decisions.create(Config(world_size=1, global_batch=1, max_steps_ahead=4), 0.0)))
+    state.apply(1, encode_record(RegisterRecord("p", 1, "t", 0.0)))
+    assert decisions.room(state) == decisions.room(state, -1) == 4  # nothing committed, nothing consumed
+    refs = tuple(TgbRef(segment_key("p", 1, i, 0.0), ((0, 1, 0, 1),), i + 1) for i in range(10))
+    state.apply(2, encode_record(CommitRecord("p", 1, 0, refs, 0, 0.0)))  # steps 0..9
+    assert decisions.room(state) == 4 - 10  # no mark, no checkpoint: counted from the first step
+    assert decisions.room(state, 7) == 4 - 2
+    assert decisions.room(state, 10**18) == 4  # a mark past the head counts as the head
+    state.apply(3, encode_record(CheckpointRecord("c", 8, 0.0)))
+    assert decisions.room(state, 7) == decisions.room(state, None) == 4 - 1  # the checkpoint is newer
+    assert decisions.room(state, 9) == 4
+    p = [
+        decisions.PendingTgb(10 + i, TgbRef(segment_key("p", 1, 10 + i, 0.0), ((0, 1, 0, 1),), 11 + i))
+        for i in range(5)
+    ]
+    record = decisions.commit(state, "p", 1, p, 0, 0.0, consumed=8)
+    assert record is not None and len(record.tgbs) == 3  # what room leaves, in sequence order
+    state.apply(4, encode_record(decisions.commit(state, "p", 1, p, 0, 0.0, consumed=8)))  # type: ignore[arg-type]
+    assert decisions.commit(state, "p", 1, p, 0, 0.0, consumed=8) is None  # no room left
+
+
+async def test_back_pressure_follows_the_trainers_consumption_mark(tmp_path) -> None:
+    """No checkpoint at all: rank 0's reader publishes what it consumed, and producers are held to
+    max_steps_ahead past it, checked at commit, so the head never runs further ahead."""
+    store = FileStore(tmp_path / "stream", durable=False)
+    limit = 3
+    await lakestream.create(store, world_size=1, global_batch=1, max_steps_ahead=limit)
+    worst = 0
+    with anyio.fail_after(30):  # without the mark, producers wait for a checkpoint for good
+        async with anyio.create_task_group() as tg, lakestream.open_reader(store, 0) as r:
+            tg.start_soon(produce, store, "p", 30)
+            async for batch in r.steps(0, 30):
+                await anyio.sleep(0.05)
+                worst = max(worst, (await lakestream.load_state(store)).head - batch.step)
+    assert worst <= limit
+    assert (await lakestream.load_state(store)).head == 29
+    assert orjson.loads(await store.get("_lakestream/consumed"))["step"] >= 0
+
+
+@pytest.mark.parametrize("mark", [b"", b"not json", b'{"step": "9"}', b'{"step": -5}', b"[1]", b'{"step": 1e300}'])
+async def test_an_unreadable_consumption_mark_is_ignored(mark: bytes, caplog) -> None:
+    store = MemoryStore()
+    await lakestream.create(store, world_size=1, global_batch=1)
+    await store.put("_lakestream/consumed", mark)
+    m = Manifest(store)
+    assert await m.read_consumed() is None
+    assert "ignoring the unreadable _lakestream/consumed" in caplog.text
+
+
+async def test_a_reader_records_checkpoints_in_the_background_and_raises_their_errors_later(store) -> None:
+    await produce(store, "p", 4 * B)
+    async with lakestream.open_reader(store, 0) as r:
+        async for batch in r.steps(0, 2):
+            assert await r.checkpoint(f"c{batch.step}", batch.step) is True  # at once
+        assert await r.checkpoint("c1", 1, wait=True) is False  # after c0 and c1: recorded already
+        assert [(c.id, c.step) for c in (await lakestream.load_state(store)).checkpoints] == [("c0", 0), ("c1", 1)]
+        await r.checkpoint("late", 0)  # older than the newest: fails in the background
+        with pytest.raises(ValueError, match="older than the newest checkpoint"):
+            with anyio.fail_after(10):
+                while True:
+                    await r.read_step(2)
+                    await anyio.sleep(0.01)
+        assert (await r.read_step(2)).step == 2  # raised once
 
 
 async def test_rewind_replays_exactly_once_into_the_new_history(store) -> None:
