@@ -402,6 +402,7 @@ def figures(run: _Run) -> dict[str, Any]:
         "last_step_taken": run.consumed,
         "versions": state.version,
         "checkpoints": len(run.blocks),
+        "checkpoints_retained": len(run.truth.state.checkpoints),
         "checkpoint_errors": run.checkpoint_errors[:3],
         "top_requests_per_s": {f"{who} {op} {area}": round(c / span, 1) for (who, op, area), c in top},
         "throttled_per_s": {
