@@ -2,10 +2,12 @@
 
 * `FaultyStore` wraps any store and injects latency, throttling (503 SlowDown), lost answers of
   puts that landed, failures and arbitrary hooks, all from one seeded `random.Random`;
-  `S3_LIKE` is a latency profile like S3's.
+  `S3_LATENCY_OPS` is S3's latencies per operation, `S3_LIKE` an older, faster profile.
 * `inject_faults(spec)` makes every store that `lakestream.open_store` opens from then on, in
   this process, a FaultyStore: how a test injects faults into a whole process (a CLI child, a
   producer or mount subprocess) that it starts with `python -m lakestream.testing SPEC ARGS…`.
+  SPEC is `ambiguous=P,fail=P,latency=s3|none,get_rate=R,put_rate=R,seed=N` (`parse_faults`),
+  the rates shared by every store of the process.
 * `follower(store, on_apply=…)`: a Manifest that calls `on_apply(state)` after each version it
   applies, so a checker sees every version, even a step that a rewind discards within one refresh.
 * `SimulatedS3`: an in-process model of S3 (latencies, first conditional PUT to arrive wins,
