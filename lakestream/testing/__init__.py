@@ -2,10 +2,12 @@
 
 * `FaultyStore` wraps any store and injects latency, throttling (503 SlowDown), lost answers of
   puts that landed, failures and arbitrary hooks, all from one seeded `random.Random`;
-  `S3_LIKE` is a latency profile like S3's.
+  `S3_LATENCY_OPS` is S3's latencies per operation, `S3_LIKE` an older, faster profile.
 * `inject_faults(spec)` makes every store that `lakestream.open_store` opens from then on, in
   this process, a FaultyStore: how a test injects faults into a whole process (a CLI child, a
   producer or mount subprocess) that it starts with `python -m lakestream.testing SPEC ARGS…`.
+  SPEC is `ambiguous=P,fail=P,latency=s3|none,get_rate=R,put_rate=R,seed=N` (`parse_faults`),
+  the rates shared by every store of the process.
 * `follower(store, on_apply=…)`: a Manifest that calls `on_apply(state)` after each version it
   applies, so a checker sees every version, even a step that a rewind discards within one refresh.
 * `SimulatedS3`: an in-process model of S3 (latencies, first conditional PUT to arrive wins,
@@ -27,18 +29,20 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 from .._devs3 import S3Server, WeedNotFound, find_weed, free_ports
 from .._layout import LOG_PREFIX, SNAPSHOT_PREFIX, log_key, parse_segment_key
 from .._manifest import Manifest
 from .._state import State
 from .._store import ObjectStore, set_store_wrapper
-from ._faulty import S3_LIKE, FaultyStore
+from ._faulty import S3_LATENCY_OPS, S3_LIKE, Buckets, FaultyStore
 from ._simstore import S3_LATENCY, S3_RATES, SimulatedS3, SimulatedStore
 
 __all__ = [
     "LOG_PREFIX",
     "S3_LATENCY",
+    "S3_LATENCY_OPS",
     "S3_LIKE",
     "S3_RATES",
     "SNAPSHOT_PREFIX",
@@ -60,29 +64,59 @@ __all__ = [
 ]
 
 
-def parse_faults(spec: str) -> tuple[dict[str, float], int | None]:
-    """`ambiguous=P,fail=P,seed=N` -> (FaultyStore options, seed). Raises ValueError."""
+class FaultOptions(TypedDict):
+    """The FaultyStore options of a fault spec."""
+
+    ambiguous_put: float
+    fail_before: float
+    latency: dict[str, tuple[float, float]]
+    get_rate: float
+    put_rate: float
+
+
+FAULT_SPEC = "ambiguous=P,fail=P,latency=s3|none,get_rate=R,put_rate=R,seed=N"
+LATENCIES: dict[str, dict[str, tuple[float, float]]] = {"s3": S3_LATENCY_OPS, "none": {}}
+
+
+def parse_faults(spec: str) -> tuple[FaultOptions, int | None]:
+    """`ambiguous=P,fail=P,latency=s3|none,get_rate=R,put_rate=R,seed=N` -> (FaultyStore options,
+    seed). Raises ValueError."""
     try:
         kv = dict(item.split("=", 1) for item in spec.split(",") if item)
-        faults = {"ambiguous_put": float(kv.pop("ambiguous", 0)), "fail_before": float(kv.pop("fail", 0))}
+        ambiguous, fail = float(kv.pop("ambiguous", 0)), float(kv.pop("fail", 0))
+        get_rate, put_rate = float(kv.pop("get_rate", "inf")), float(kv.pop("put_rate", "inf"))
+        latency = kv.pop("latency", "none")
         seed = int(kv.pop("seed", 0)) or None
     except ValueError as e:
-        raise ValueError(f"faults {spec!r}: expected ambiguous=P,fail=P,seed=N ({e})") from None
+        raise ValueError(f"faults {spec!r}: expected {FAULT_SPEC} ({e})") from None
     if kv:
-        raise ValueError(f"faults {spec!r}: unknown keys {sorted(kv)} (ambiguous, fail, seed)")
+        raise ValueError(
+            f"faults {spec!r}: unknown keys {sorted(kv)} (ambiguous, fail, latency, get_rate, put_rate, seed)"
+        )
+    if not (0 <= ambiguous <= 1 and 0 <= fail <= 1):
+        raise ValueError(f"faults {spec!r}: ambiguous and fail are probabilities, in [0, 1]")
+    if not (get_rate > 0 and put_rate > 0):
+        raise ValueError(f"faults {spec!r}: get_rate and put_rate are requests per second, above 0")
+    if latency not in LATENCIES:
+        raise ValueError(f"faults {spec!r}: latency is one of {', '.join(LATENCIES)}, not {latency!r}")
+    faults = FaultOptions(
+        ambiguous_put=ambiguous, fail_before=fail, latency=LATENCIES[latency], get_rate=get_rate, put_rate=put_rate
+    )
     return faults, seed
 
 
 def inject_faults(spec: str | None, configure: Callable[[FaultyStore], None] | None = None) -> None:
     """Wrap every store opened from now on in this process in a FaultyStore with `spec`'s faults
-    (None: stop); `configure` may adjust each one (count injections, add a hook)."""
+    (None: stop); they share one set of token buckets, so the rates are the process's. `configure`
+    may adjust each one (count injections, add a hook)."""
     if spec is None:
         set_store_wrapper(None)
         return
     faults, seed = parse_faults(spec)
+    buckets: Buckets = {}
 
     def wrap(store: ObjectStore) -> ObjectStore:
-        faulty = FaultyStore(store, rng=random.Random(seed), **faults)  # type: ignore[arg-type]
+        faulty = FaultyStore(store, rng=random.Random(seed), buckets=buckets, **faults)
         if configure is not None:
             configure(faulty)
         return faulty
@@ -161,7 +195,11 @@ async def write_synthetic_log(
 def main(argv: list[str]) -> int:
     """`python -m lakestream.testing SPEC ARGS…`: the `lakestream` command with SPEC's faults."""
     if not argv:
-        print("usage: python -m lakestream.testing ambiguous=P,fail=P,seed=N COMMAND [ARGS…]", file=sys.stderr)
+        print(f"usage: python -m lakestream.testing {FAULT_SPEC} COMMAND [ARGS…]", file=sys.stderr)
         return 2
-    inject_faults(argv[0])
+    try:
+        inject_faults(argv[0])
+    except ValueError as e:
+        print(f"lakestream.testing: {e}", file=sys.stderr)
+        return 2
     return run_command(argv[1:])

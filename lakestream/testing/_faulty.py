@@ -2,12 +2,18 @@
 
 Everything random is drawn from an injectable `random.Random`, so a run is reproducible:
 
-* `latency`: per operation (`get`, `get_range`, `put`, `put_if_absent`, `list`, `delete`), a
-  log-normal distribution given as (median seconds, sigma), plus `bandwidth` bytes per second for
-  the bytes moved. A put_if_absent takes effect half-way through its latency, so concurrent
-  writers race as they do against a real store;
-* `write_rate`: writes per second per prefix (the key up to its last '/') before the store answers
-  503 SlowDown (StoreUnavailable), as S3 does; a token bucket with one second of burst;
+* `latency`: per operation (`get`, `get_range`, `put`, `put_if_absent`, `list` (list and
+  list_sizes), `delete`), a log-normal distribution given as (median seconds, sigma), plus
+  `bandwidth` bytes per second for the bytes moved. A put_if_absent takes effect half-way through
+  its latency, so concurrent writers race as they do against a real store. `S3_LATENCY_OPS` is
+  S3's: PUTs (put, put_if_absent, delete) median 60 ms and p99 200 ms, GETs (get, get_range,
+  list) median 25 ms and p99 100 ms; `S3_LIKE` an older, faster profile;
+* `get_rate`, `put_rate`: GETs (get, get_range, list, list_sizes) and PUTs (put, put_if_absent,
+  delete) per second per prefix (the key, or the listed prefix, up to its last '/'; a delete's
+  first key) before the store answers 503 SlowDown (StoreUnavailable), as S3 does; a token bucket
+  per stream, prefix and kind with one second of burst, refilled by `clock` (seconds), kept in
+  `buckets` (a dict that FaultyStores may share, as `inject_faults` shares one per process);
+  `write_rate` is the older name of `put_rate`;
 
 * `ambiguous_put`: the probability that a put or put_if_absent lands and then raises
   StoreUnavailable as if the answer had been lost;
@@ -28,8 +34,9 @@ import anyio
 
 from .._errors import StoreUnavailable
 from .._store import ObjectStore
+from ._simstore import _KIND, S3_LATENCY, Z99
 
-__all__ = ["S3_LIKE", "FaultyStore"]
+__all__ = ["S3_LATENCY_OPS", "S3_LIKE", "FaultyStore"]
 
 # An S3-like profile: conditional PUT ~25 ms p50, GET ~10 ms p50, long tails.
 S3_LIKE: dict[str, tuple[float, float]] = {
@@ -40,6 +47,14 @@ S3_LIKE: dict[str, tuple[float, float]] = {
     "list": (0.030, 0.5),
     "delete": (0.020, 0.5),
 }
+
+# S3's latencies per operation as (median, sigma), from `S3_LATENCY`'s (median, p99) per kind.
+S3_LATENCY_OPS: dict[str, tuple[float, float]] = {
+    op: (S3_LATENCY[kind][0], math.log(S3_LATENCY[kind][1] / S3_LATENCY[kind][0]) / Z99) for op, kind in _KIND.items()
+}
+
+
+Buckets = dict[tuple[str, str, str], tuple[float, float]]  # (url, kind, prefix) -> (tokens, last refill)
 
 
 class FaultyStore:
@@ -53,8 +68,12 @@ class FaultyStore:
         hook: Callable[[str, str], Awaitable[None]] | None = None,
         latency: dict[str, tuple[float, float]] | None = None,
         bandwidth: float = math.inf,
+        get_rate: float = math.inf,
+        put_rate: float = math.inf,
         write_rate: float = math.inf,
         rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        buckets: Buckets | None = None,
     ) -> None:
         self.inner = inner
         self.url = inner.url
@@ -65,10 +84,11 @@ class FaultyStore:
         self.rng = rng or random.Random(0)
         self.latency = latency or {}
         self.bandwidth = bandwidth
-        self.write_rate = write_rate
+        self.rates = {"get": get_rate, "put": min(put_rate, write_rate)}  # kind -> requests/s per prefix
+        self.clock = clock
         self.calls: Counter[str] = Counter()
         self.injected: Counter[str] = Counter()
-        self._buckets: dict[str, tuple[float, float]] = {}  # prefix -> (tokens, last refill)
+        self.buckets: Buckets = {} if buckets is None else buckets
 
     def _delay(self, op: str, nbytes: int = 0) -> float:
         median, sigma = self.latency.get(op, (0.0, 0.0))
@@ -76,24 +96,27 @@ class FaultyStore:
         return d + nbytes / self.bandwidth
 
     def _throttle(self, op: str, key: str) -> None:
-        if self.write_rate == math.inf or op not in ("put", "put_if_absent", "delete"):
+        kind = _KIND[op]
+        rate = self.rates[kind]
+        if rate == math.inf:
             return
         prefix = key.rpartition("/")[0]
-        now = time.monotonic()
-        tokens, last = self._buckets.get(prefix, (self.write_rate, now))
-        tokens = min(self.write_rate, tokens + (now - last) * self.write_rate)
+        bucket = (self.url, kind, prefix)
+        now = self.clock()
+        tokens, last = self.buckets.get(bucket, (rate, now))
+        tokens = min(rate, tokens + (now - last) * rate)
         if tokens < 1:
-            self._buckets[prefix] = (tokens, now)
+            self.buckets[bucket] = (tokens, now)
             self.injected[f"{op}:throttled"] += 1
-            raise StoreUnavailable(f"{self.url}: 503 SlowDown: over {self.write_rate:g} writes/s on {prefix!r}")
-        self._buckets[prefix] = (tokens - 1, now)
+            raise StoreUnavailable(f"{self.url}: 503 SlowDown: over {rate:g} {kind.upper()}s/s on {prefix!r}")
+        self.buckets[bucket] = (tokens - 1, now)
 
-    async def _before(self, op: str, key: str) -> bool:
-        """Run the hook; raise a clean failure; tell whether to make this call ambiguous."""
+    async def _before(self, op: str, key: str, throttle_key: str | None = None) -> bool:
+        """Run the hook; throttle; raise a clean failure; tell whether to make this call ambiguous."""
         self.calls[op] += 1
         if self.hook is not None:
             await self.hook(op, key)
-        self._throttle(op, key)
+        self._throttle(op, key if throttle_key is None else throttle_key)
         if not self.only(op, key):
             return False
         if self.fail_before and self.rng.random() < self.fail_before:
@@ -151,7 +174,7 @@ class FaultyStore:
         return await self.inner.list_sizes(prefix)
 
     async def delete(self, keys: Sequence[str]) -> None:
-        await self._before("delete", ",".join(keys))
+        await self._before("delete", ",".join(keys), keys[0] if keys else "")
         await self._sleep(self._delay("delete"))
         await self.inner.delete(keys)
 
