@@ -138,6 +138,7 @@ class Row:
     budget: float
     max_rss: float
     seed: int
+    combine: bool = True
 
 
 class _Truth:
@@ -224,8 +225,8 @@ async def _producer(run: _Run, i: int) -> None:
     await sleep_until(start)
     store = run.bucket.client("producer")
     manifest = Manifest(store, clock=now, retries=None, rng=random.Random(rng.random()))
-    policy = lakestream.DacPolicy(rng=random.Random(rng.random()))
-    async with lakestream.open_producer(store, pid, manifest=manifest, policy=policy, clock=now, wall=wall) as p:
+    opts = {"combine": True} if row.combine else {"policy": lakestream.DacPolicy(rng=random.Random(rng.random()))}
+    async with lakestream.open_producer(store, pid, manifest=manifest, clock=now, wall=wall, **opts) as p:
         run.registered.append(now())
         k = 0
         while True:
@@ -449,6 +450,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, help="CPU seconds per row before it is cut short (default by row)")
     ap.add_argument("--max-rss-gb", type=float, default=8.0, help="cut a row short past this memory (8 GB)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--commit",
+        choices=["combine", "direct"],
+        default="combine",
+        help="producers declare TGBs for a combiner (combine, default) or commit them themselves with DAC",
+    )
     a = ap.parse_args(argv)
     rows = [(n, d, r, a.budget or 600.0) for n, d, r in a.rows] if a.rows else SMOKE if a.smoke else QUICK
     duration = a.duration if a.duration is not None else 8.0 if a.smoke else 60.0
@@ -456,7 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     every = a.checkpoint_every or (5 if a.smoke else 100)
     results = []
     for n, d, r, budget in rows:
-        row = Row(n, d, r, warmup, duration, a.ramp, every, a.budget or budget, a.max_rss_gb, a.seed)
+        row = Row(
+            n, d, r, warmup, duration, a.ramp, every, a.budget or budget, a.max_rss_gb, a.seed, a.commit == "combine"
+        )
         print(f"scale: N={n} D={d:g} R={r} ...", file=sys.stderr, flush=True)
         res = _simulate(row)
         results.append(res)

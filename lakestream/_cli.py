@@ -255,8 +255,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--work-ms", type=float, default=0.0, help="synthetic CPU work per sample, milliseconds")
     p.add_argument("--max-inflight-bytes", type=_integer, default=256 << 20,
                    help="bytes sealed but not yet committed before put waits")  # fmt: skip
-    p.add_argument("--commit-policy", choices=["dac", "eager", "backoff", "interval"], default="dac",
-                   help="when to commit (see docs/dac.md)")  # fmt: skip
+    p.add_argument("--commit-policy", choices=["dac", "eager", "backoff", "interval", "combine"], default="dac",
+                   help="when to commit (see docs/dac.md), or combine: declare TGBs for one combiner to commit "
+                        "many producers' in one version (docs/scale.md)")  # fmt: skip
     p.add_argument("--max-commit-delay", type=float, default=None,
                    help="DAC latency ceiling, seconds (default: the policy's own)")  # fmt: skip
     p.add_argument("--rate", type=float, default=0.0, help="samples per second (0: as fast as possible)")

@@ -24,6 +24,7 @@ from ._records import (
     CommitRecord,
     CreateRecord,
     FinishRecord,
+    GroupRecord,
     MixRecord,
     ReclaimRecord,
     RegisterRecord,
@@ -41,6 +42,7 @@ MAX_STEP = 1 << 63  # steps are 64-bit signed integers in records and snapshots
 __all__ = [
     "PendingTgb",
     "checkpoint",
+    "combine",
     "commit",
     "create",
     "current_incarnation",
@@ -87,19 +89,21 @@ def current_incarnation(state: State, producer: str, epoch: int, url: str = "") 
     return p
 
 
-def room(state: State, consumed: int | None = None) -> int:
+def room(state: State, consumed: int | None = None, head: int | None = None) -> int:
     """How many steps may be committed after the head: back-pressure holds the head to
     `max_steps_ahead` steps past its base, the newest of the step the trainer consumed last
     (`consumed`, from its mark; a mark past the head counts as the head) and the oldest retained
-    checkpoint's step (with neither, the step before the first readable one)."""
+    checkpoint's step (with neither, the step before the first readable one). `head`: a head
+    known to be newer than the state's (a producer that does not follow the log)."""
     assert state.config is not None
     limit = state.config.max_steps_ahead
     if not limit:
         return UNLIMITED
+    top = state.head if head is None else max(head, state.head)
     base = state.watermark if state.checkpoints else state.first_step - 1
     if consumed is not None:
-        base = max(base, min(consumed, state.head))
-    return limit - (state.head - base)
+        base = max(base, min(consumed, top))
+    return limit - (top - base)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +136,53 @@ def commit(
     for i, t in enumerate(todo):
         _check_mix(state, producer, t.seq, t.ref, state.head + 1 + i, url)
     return CommitRecord(producer, epoch, todo[0].seq, tuple(t.ref for t in todo), lost, now)
+
+
+def combine(
+    state: State,
+    intents: Sequence[RegisterRecord | CommitRecord],
+    *,
+    consumed: int | None = None,
+    now: float,
+    limit: int = 4096,
+) -> GroupRecord | None:
+    """One group record committing every declared intent that is valid on `state`, in one version:
+    registers first (each a new incarnation, fencing older ones), then commits, oldest declared
+    first, each producer's in sequence order from its next one (what landed already is left out,
+    so an intent whose commit landed is simply done), as many TGBs as back-pressure leaves room
+    for (`room`), at most `limit` records. An intent that is not valid here (fenced, a gap in its
+    producer's sequence, sealed for another mix or shape) is left out. None when nothing is left."""
+    scratch = state.copy()
+    left = room(state, consumed)
+    taken: list[RegisterRecord | CommitRecord] = []
+    for r in sorted((r for r in intents if isinstance(r, RegisterRecord)), key=lambda r: (r.ts, r.producer)):
+        p = scratch.producers.get(r.producer)
+        if p is not None and p.token == r.token:
+            continue  # landed
+        reg = RegisterRecord(r.producer, (p.epoch if p else 0) + 1, r.token, r.ts)
+        if len(taken) < limit and scratch.take(reg) is None:
+            taken.append(reg)
+    runs: dict[tuple[str, int], list[CommitRecord]] = {}
+    for c in intents:
+        if isinstance(c, CommitRecord):
+            runs.setdefault((c.producer, c.epoch), []).append(c)
+    # Producers by their oldest intent, first: fair under back-pressure; each one's run in order.
+    for (pid, epoch), run in sorted(runs.items(), key=lambda kv: (min(c.ts for c in kv[1]), kv[0])):
+        for c in sorted(run, key=lambda c: c.seq):
+            p = scratch.producers.get(pid)
+            if left <= 0 or len(taken) >= limit or p is None or p.epoch != epoch:
+                break
+            skip = p.seq + 1 - c.seq  # its TGBs that landed already
+            if skip < 0:
+                break  # a gap: the intent before it is not declared (or not seen) yet
+            if skip < len(c.tgbs):
+                tgbs = c.tgbs[skip : skip + left]
+                sub = CommitRecord(pid, epoch, c.seq + skip, tgbs, 0, c.ts)
+                if scratch.take(sub) is not None:
+                    break  # not valid here (sealed for another mix or shape): the producer finds out
+                taken.append(sub)
+                left -= len(tgbs)
+    return GroupRecord(tuple(taken), now) if taken else None
 
 
 def _check_mix(state: State, producer: str, seq: int, ref: TgbRef, step: int, url: str) -> None:

@@ -5,6 +5,8 @@
     <stream>/_lakestream/last_snapshot                         hint {"version": v}
     <stream>/_lakestream/tail                                  hint {"version": v, "head": h}
     <stream>/_lakestream/consumed                              mark {"step": s}
+    <stream>/_lakestream/intents/<producer>/<epoch>-<seq>.json  a declared commit (combining)
+    <stream>/_lakestream/intents/<producer>/r-<token>.json      a declared register (combining)
     <stream>/segments/<producer>/<epoch>-<seq>-<t><rand>.tgb   one immutable object per TGB
     .<name>.<hex>.tmp beside an object                         a put in progress (file://)
 
@@ -16,12 +18,14 @@ docs/format.md describes each format; this module only names things and parses n
 
 from __future__ import annotations
 
+import re
 import uuid
 
 __all__ = [
     "CONSUMED_KEY",
     "COST_FIELD",
     "HINT_KEY",
+    "INTENTS_PREFIX",
     "KEY_FIELD",
     "LATEST_NAME",
     "LOG_PREFIX",
@@ -34,9 +38,12 @@ __all__ = [
     "STATUS_NAME",
     "TAIL_KEY",
     "TMP_SUFFIX",
+    "intent_key",
     "log_key",
+    "parse_intent_key",
     "parse_segment_key",
     "rank_dir",
+    "register_intent_key",
     "segment_key",
     "segment_prefix",
     "snapshot_key",
@@ -49,6 +56,7 @@ SNAPSHOT_PREFIX = "_lakestream/snapshots/"
 HINT_KEY = "_lakestream/last_snapshot"
 TAIL_KEY = "_lakestream/tail"  # where the log ends, as its last writer saw it (a hint)
 CONSUMED_KEY = "_lakestream/consumed"  # the step the trainer consumed last (back-pressure's base)
+INTENTS_PREFIX = "_lakestream/intents/"  # what producers declared for combining committers to commit
 SEGMENTS_PREFIX = "segments/"
 TMP_SUFFIX = ".tmp"
 
@@ -74,6 +82,29 @@ def version_of(key: str) -> int | None:
     """The version of a log or snapshot key, or None if it is not one."""
     stem = key.rsplit("/", 1)[-1].removesuffix(".json")
     return int(stem) if stem.isdigit() and len(stem) == 20 else None
+
+
+def intent_key(producer: str, epoch: int, seq: int) -> str:
+    """Where a producer declares its commit of TGBs `seq`.. (epoch `epoch`) for a combiner."""
+    return f"{INTENTS_PREFIX}{producer}/{epoch}-{seq}.json"
+
+
+def register_intent_key(producer: str, token: str) -> str:
+    """Where a producer declares its new incarnation (`token`) for a combiner."""
+    return f"{INTENTS_PREFIX}{producer}/r-{token}.json"
+
+
+_INTENT = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]{0,127})/(?:r-([0-9a-f]{1,64})|([0-9]{1,18})-([0-9]{1,18}))\.json")
+
+
+def parse_intent_key(key: str) -> tuple[str, int, int] | tuple[str, str] | None:
+    """(producer, epoch, seq) of a commit intent's key, (producer, token) of a register intent's,
+    or None for anything else."""
+    m = _INTENT.fullmatch(key.removeprefix(INTENTS_PREFIX)) if key.startswith(INTENTS_PREFIX) else None
+    if m is None:
+        return None
+    producer, token, epoch, seq = m.groups()
+    return (producer, token) if token is not None else (producer, int(epoch), int(seq))
 
 
 def segment_prefix(producer: str, epoch: int, seq: int) -> str:

@@ -433,6 +433,11 @@ class Manifest:
                 self._observe_growth(self.confirmed_at)
             return AppendResult(version, record, conflicts, self._probe_latency, put_latency)
 
+    async def read_version(self, version: int) -> bytes | None:
+        """The record stored at `version` (None: not written), without applying it."""
+        self.requests += 1
+        return await self._get(log_key(version))
+
     # -- hints: where the log ends, what the trainer consumed ------------------------------------
 
     async def _small_object(self, key: str, fields: tuple[str, ...]) -> tuple[int, ...] | None:

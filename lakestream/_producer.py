@@ -12,6 +12,7 @@ Errors of background work surface at the next `put`, `flush` or `close`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -29,11 +30,24 @@ import orjson
 from . import _decisions as decisions
 from . import _hooks
 from ._batching import assign_ranks, mix_counts, pack_plan, packed_cursor
+from ._combine import Combiner
 from ._errors import CorruptData, InvalidSample, ObjectNotFound, ProducerFenced, SegmentLost
-from ._layout import COST_FIELD, segment_key
+from ._layout import COST_FIELD, intent_key, register_intent_key, segment_key
 from ._manifest import Manifest
 from ._pacing import AttemptOutcome, CommitPolicy, Observation, make_policy
-from ._records import Record, TgbRef
+from ._records import (
+    CommitRecord,
+    GroupRecord,
+    MixRecord,
+    Record,
+    RecordError,
+    RegisterRecord,
+    ReshapeRecord,
+    RewindRecord,
+    TgbRef,
+    decode_record,
+    encode_record,
+)
 from ._retry import retry
 from ._segment import (
     CHECKSUMS,
@@ -54,7 +68,15 @@ __all__ = ["Producer", "ProducerStats"]
 log = logging.getLogger("lakestream.producer")
 
 RECHECK_AFTER = 60.0  # seconds a TGB may wait uncommitted before its segment is checked again
+MAX_SCAN = 32  # log versions a producer reads at once for its own commits
 HOLD_POLL = (0.01, 0.5)  # a producer held by back-pressure looks again after this, doubling to at most that
+# Combining (see `_combine`): how often a combiner commits what was declared; how often a producer
+# with declared TGBs looks at the tail hint; how long the log may stand still while it waits before
+# it commits them itself (and everything else declared), staying a combiner for a while after.
+COMBINE_EVERY = 0.25
+LOOK_EVERY = 0.2
+TAKEOVER_AFTER = 2.0
+STICKY = 30.0
 
 
 @dataclass(slots=True)
@@ -69,6 +91,7 @@ class _Tgb:
     sources: tuple[tuple[str, int], ...] | None = None  # its samples per named source, under a mixture
     ref: TgbRef | None = None  # where it was uploaded, once it was
     checked_at: float = -1.0  # when its segment was last seen to exist
+    declared_at: float | None = None  # when its intent was put (combining)
 
     @property
     def uploaded(self) -> bool:
@@ -105,6 +128,7 @@ class Producer:
         gc_interval: float | None = None,
         checksum: str = DEFAULT_CHECKSUM,
         manifest: Manifest | None = None,
+        combine: bool = False,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -114,6 +138,8 @@ class Producer:
         self.manifest = manifest or Manifest(store, clock=clock, retries=None)
         self._cost = cost
         self._max_inflight = max_inflight_bytes
+        if policy == "combine":  # declare TGBs for a combiner rather than commit them (see `_combine`)
+            policy, combine = None, True
         self._policy = make_policy(policy)
         self._gc_interval = gc_interval
         if checksum not in CHECKSUMS:
@@ -140,6 +166,15 @@ class Producer:
         self._pending: deque[_Tgb] = deque()
         self._mark: int | None = None  # the trainer's consumption mark, as last read
         self._mark_at = -math.inf
+        # Combining: declare TGBs as intents; learn what landed from the versions after `_seen`.
+        self.combine = combine
+        self._combiner = Combiner(self.manifest)
+        self._rng = self.manifest.rng  # jitter: seeded where the manifest's is
+        self._seen = -1  # the log version up to which this producer looked for its own commits
+        self._tail_head = -1  # the head the tail hint last said
+        self._moved_at = 0.0  # when the log was last seen to move (or this producer started waiting)
+        self._combining_until = -math.inf  # a combiner that took over stays one until then
+        self._leader: tuple[int, bool] = (-1, False)  # (version, whether this producer leads there)
         self._inflight = 0
         self._changed = anyio.Event()
         self._closing = False
@@ -154,9 +189,13 @@ class Producer:
         state = await self.manifest.load()
         assert state.config is not None
         self.config = state.config
-        version = await self._register()
+        version = await (self._register_combined() if self.combine else self._register())
         self._tg = await enter_task_group()
-        self._tg.start_soon(self._committer)
+        if self.combine:
+            self._tg.start_soon(self._declarer)
+            self._tg.start_soon(self._combining)
+        else:
+            self._tg.start_soon(self._committer)
         if gc := self._gc_interval:
             self._tg.start_soon(self._collect_garbage, gc)
         if version is not None:
@@ -178,6 +217,31 @@ class Producer:
     async def _register(self) -> int | None:
         result = await self.manifest.append(lambda st, _: decisions.register(st, self.id, self._token, self._wall()))
         self._metrics.appended(result)
+        self._registered()
+        return result.version
+
+    async def _register_combined(self) -> None:
+        """Declare this incarnation and wait until a combiner registered it (or do it: the log
+        stood still for TAKEOVER_AFTER); the log is followed from the snapshot `load` found."""
+        key = register_intent_key(self.id, self._token)
+        data = encode_record(RegisterRecord(self.id, 1, self._token, self._wall()))
+        await retry(lambda: self.store.put(key, data), attempts=None)
+        # With no producer at work in the stream there is no combiner to wait for.
+        alone = not any(p.token and not p.finished for p in self.manifest.state.producers.values())
+        self._moved_at = -math.inf if alone else self._clock()
+        interval = LOOK_EVERY
+        while (p := self.manifest.state.producers.get(self.id)) is None or p.token != self._token:
+            await anyio.sleep(interval * (0.5 + self._rng.random()))
+            tail = await self.manifest.read_tail()
+            if (tail is None or tail[0] > self.manifest.state.version) and await self.manifest.refresh():
+                self._moved_at = self._clock()
+            elif self._clock() - self._moved_at > TAKEOVER_AFTER * (1 + self._rng.random()):
+                await self._combine_round(took_over=True)
+                self._moved_at = self._clock()
+        self._registered()
+        self._seen = self.manifest.state.version
+
+    def _registered(self) -> None:
         p = self.manifest.state.producers[self.id]
         if p.token != self._token:  # pragma: no cover - append guarantees it
             raise ProducerFenced(f"{self.manifest.url}: producer {self.id!r} could not register")
@@ -191,7 +255,6 @@ class Producer:
             "%s: producer %s registered epoch %d, resuming at %s",
             self.manifest.url, self.id, self.epoch, orjson.dumps(self.cursor).decode(),
         )  # fmt: skip
-        return result.version
 
     # -- the public API ------------------------------------------------------------------------
 
@@ -212,6 +275,8 @@ class Producer:
         if self._samples:
             await self._seal()
         await self.flush()
+        if self.combine:
+            await self.manifest.refresh()
         result = await self.manifest.append(
             lambda st, _: decisions.drop_source(
                 st, source, from_step=st.head + 1, now=self._wall(), url=self.manifest.url
@@ -391,7 +456,7 @@ class Producer:
 
     @property
     def policy_name(self) -> str:
-        return self._policy.name
+        return "combine" if self.combine else self._policy.name
 
     @property
     def committed_seq(self) -> int:
@@ -427,6 +492,8 @@ class Producer:
 
     async def _finish(self, leftover: tuple[decisions.PendingTgb, tuple[int, int, int]] | None) -> None:
         tgb, cursors = leftover if leftover is not None else (None, None)
+        if self.combine:
+            await self.manifest.refresh()  # a combining producer does not follow the log
 
         def decide(state: State, _: int) -> Record | None:
             return decisions.finish(state, self.id, self.epoch, tgb, cursors, self._wall(), self.manifest.url)
@@ -559,6 +626,164 @@ class Producer:
         except Exception as e:
             self._fail(e)
 
+    # -- combining (see `_combine`) -------------------------------------------------------------
+
+    async def _declarer(self) -> None:
+        """Declare each run of uploaded TGBs as one intent, then learn when they land."""
+        try:
+            while True:
+                fresh = [t for t in self._ready() if t.declared_at is None]
+                if fresh:
+                    await self._room()  # checked again by the combiner, on the state it commits on
+                    await self._declare(fresh)
+                    continue
+                if not self._pending:
+                    if self._closing:
+                        return
+                    await self._wait_changed()
+                    continue
+                if all(t.declared_at is None for t in self._pending):
+                    await self._wait_changed()  # uploads in progress
+                    continue
+                with anyio.move_on_after(LOOK_EVERY * (0.5 + self._rng.random())):
+                    await self._wait_changed()
+                await self._look()
+        except Exception as e:
+            self._fail(e)
+
+    async def _declare(self, tgbs: list[_Tgb]) -> None:
+        await self._check_old_segments(tgbs)
+        if not any(t.declared_at is not None for t in self._pending):
+            # Nothing declared is outstanding: what is declared now can only land after the tail.
+            if (tail := await self.manifest.read_tail()) is not None:
+                self._seen, self._tail_head = max(self._seen, tail[0]), max(self._tail_head, tail[1])
+            self._moved_at = self._clock()
+        refs = tuple(t.ref for t in tgbs if t.ref is not None)
+        data = encode_record(CommitRecord(self.id, self.epoch, tgbs[0].seq, refs, 0, self._wall()))
+        key = intent_key(self.id, self.epoch, tgbs[0].seq)
+        await retry(lambda: self.store.put(key, data), attempts=None)
+        self.stats.commit_attempts += 1
+        now = self._clock()
+        for t in tgbs:
+            t.declared_at = now
+
+    async def _look(self) -> None:
+        """Did declared TGBs land? The tail hint says whether the log moved; the versions since
+        `_seen` say what landed. A log that stands still for TAKEOVER_AFTER, or declared TGBs
+        that wait much longer than that while it moves, make this producer catch up with the
+        whole log (to learn why: fenced, or sealed for a mix no longer in force) and commit."""
+        tail = await self.manifest.read_tail()
+        if tail is not None and tail[0] > self._seen:
+            self._tail_head = max(self._tail_head, tail[1])
+            await self._scan(tail[0])
+            return
+        oldest = min((t.declared_at for t in self._pending if t.declared_at is not None), default=self._clock())
+        waited = self._clock() - max(oldest, self._moved_at)
+        if waited > TAKEOVER_AFTER * (1 + self._rng.random()) or self._clock() - oldest > 5 * TAKEOVER_AFTER:
+            await self._take_over()
+
+    async def _scan(self, top: int) -> None:
+        """Read versions `_seen + 1`..`top` and take in this producer's commits in them."""
+        if top - self._seen > 4 * MAX_SCAN:  # far behind: the whole log is cheaper (snapshots)
+            await self._catch_up()
+            return
+        first = self._seen + 1
+        datas: list[bytes | None] = [None] * min(top - self._seen, MAX_SCAN)
+
+        async def fetch(i: int) -> None:
+            datas[i] = await self.manifest.read_version(first + i)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(datas)):
+                tg.start_soon(fetch, i)
+        behind = False
+        for i, data in enumerate(datas):
+            if data is None:
+                break  # not there (a hint ahead of the log, or a version not visible yet)
+            self._seen, self._moved_at = first + i, self._clock()
+            try:
+                record = decode_record(data)
+            except RecordError:
+                continue  # a no-op for everyone
+            for r in record.records if isinstance(record, GroupRecord) else (record,):
+                if isinstance(r, CommitRecord) and r.producer == self.id and r.epoch == self.epoch:
+                    behind |= not self._landed(r)
+                elif isinstance(r, RegisterRecord) and r.producer == self.id and r.token != self._token:
+                    behind = True  # fenced: the catch-up says so
+                elif isinstance(r, RewindRecord | ReshapeRecord | MixRecord):
+                    behind = True  # may fence this producer or refuse what it declared
+        if behind:
+            await self._catch_up()
+
+    def _landed(self, r: CommitRecord) -> bool:
+        """Take in a commit of this incarnation's TGBs; False if it does not follow what this
+        producer knows landed (then only the whole log can say what did)."""
+        last = r.seq + len(r.tgbs) - 1
+        if last <= self._committed_seq:
+            return True
+        if r.seq != self._committed_seq + 1:
+            return False
+        self._committed_through(last, r.tgbs[-1].cursor)
+        return True
+
+    async def _catch_up(self) -> None:
+        """Follow the whole log to its tail; what landed, whether this incarnation is fenced, and
+        whether a declared TGB can no longer land (MixChanged) all come from the state."""
+        await self.manifest.refresh()
+        self._seen, self._moved_at = max(self._seen, self.manifest.state.version), self._clock()
+        self._drop_committed(self.manifest.state)
+        waiting = [decisions.PendingTgb(t.seq, t.ref) for t in self._ready() if t.ref is not None]
+        if waiting:  # raises what committing them would (ProducerFenced, MixChanged)
+            decisions.commit(self.manifest.state, self.id, self.epoch, waiting, 0, self._wall(), self.manifest.url)
+
+    async def _take_over(self) -> None:
+        await self._catch_up()
+        for t in self._pending:  # declared again at the first one not committed (intents may be gone)
+            t.declared_at = None
+        await self._declare(self._ready())
+        await self._combine_round(took_over=True)
+
+    async def _combining(self) -> None:
+        """Combine in the background while this producer leads (or took over lately)."""
+        try:
+            while True:
+                await anyio.sleep(COMBINE_EVERY * (0.75 + 0.5 * self._rng.random()))
+                if self._clock() < self._combining_until or self._leads():
+                    await self._combine_round()
+        except Exception as e:
+            self._fail(e)
+
+    def _leads(self) -> bool:
+        """Whether this producer is the combiner the stream's producers agree on: of those not
+        finished (as of its view of the log), the one whose id hashes lowest."""
+        state = self.manifest.state
+        if self._leader[0] != state.version:
+            live = [pid for pid, p in state.producers.items() if not p.finished and p.token]
+            first = min(live, key=lambda pid: hashlib.sha256(pid.encode()).digest(), default=None)
+            self._leader = (state.version, first == self.id)
+        return self._leader[1]
+
+    async def _combine_round(self, *, took_over: bool = False) -> None:
+        if self.config.max_steps_ahead and self._clock() - self._mark_at > HOLD_POLL[1]:
+            await self._read_mark()
+        result = await self._combiner.round(self._mark, self._wall())
+        state = self.manifest.state
+        self._seen, self._moved_at = max(self._seen, state.version), self._clock()
+        if self.epoch:
+            self._drop_committed(state)
+        if result is None:
+            return
+        self._metrics.appended(result)
+        if result.version is not None:
+            self.stats.commits += 1
+            await self._write_tail(result.version, state.head)
+            self._appended(result.version, tail=False)
+        if took_over or (result.version is not None and self._clock() < self._combining_until):
+            self._combining_until = self._clock() + STICKY
+        elif result.conflicts and not self._leads():
+            self._combining_until = -math.inf  # another combiner is at work: leave it to it
+        self._notify()
+
     async def _room(self, *, for_upload: bool = False) -> int:
         """How many steps may be committed now (`_decisions.room`: the head at most
         `max_steps_ahead` past the trainer's consumption mark or the oldest checkpoint), waiting
@@ -572,7 +797,7 @@ class Producer:
         while True:
             self._check()
             taken = len(self._pending) if for_upload else 0
-            room = decisions.room(self.manifest.state, self._mark) - taken
+            room = decisions.room(self.manifest.state, self._mark, self._tail_head) - taken
             if room > 0:
                 if held is not None:
                     self._metrics.held(self._clock() - held)
@@ -582,8 +807,12 @@ class Producer:
                 self.stats.backpressure_waits += 1
             elif self._clock() - self._mark_at >= HOLD_POLL[1]:
                 await self._read_mark()
-                await self.manifest.refresh(window=1)  # one GET unless the log moved
-                self._drop_committed(self.manifest.state)
+                if self.combine:  # not following the log: the tail hint says where the head is
+                    if (tail := await self.manifest.read_tail()) is not None:
+                        self._tail_head = max(self._tail_head, tail[1])
+                else:
+                    await self.manifest.refresh(window=1)  # one GET unless the log moved
+                    self._drop_committed(self.manifest.state)
                 continue
             await anyio.sleep(interval)
             interval = min(interval * 2, HOLD_POLL[1])
@@ -636,15 +865,20 @@ class Producer:
 
     def _drop_committed(self, state: State) -> None:
         p = decisions.current_incarnation(state, self.id, self.epoch, self.manifest.url)
+        self._committed_through(p.seq, p.cursor)
+
+    def _committed_through(self, seq: int, cursor: Any) -> None:
         now = self._clock()
-        while self._pending and self._pending[0].seq <= p.seq:
+        while self._pending and self._pending[0].seq <= seq:
             t = self._pending.popleft()
             self._inflight -= t.nbytes
             self.stats.tgbs_committed += 1
             self.stats.ready_to_visible.append(now - t.sealed_at)
             self._metrics.committed(t, now - t.sealed_at)
-        self._committed_seq = p.seq
-        self.cursor = p.cursor
+        if seq != self._committed_seq:
+            self._committed_seq = seq
+            self._notify()  # flush waits for it
+        self.cursor = cursor
 
     async def _commit(self, ready: list[_Tgb], *, fresh: bool = False) -> None:
         await self._check_old_segments(ready)
@@ -670,13 +904,14 @@ class Producer:
             self._appended(result.version)
         self._notify()
 
-    def _appended(self, version: int) -> None:
+    def _appended(self, version: int, *, tail: bool = True) -> None:
         """Off the commit path: the writer of a version points the tail hint at it, and whoever
         writes a version that is a multiple of `snapshot_every` snapshots it (the state is copied
         now; serialising and writing happen in the background)."""
         if self._tg is None:
             return
-        self._tg.start_soon(self._write_tail, version, self.manifest.state.head)
+        if tail:
+            self._tg.start_soon(self._write_tail, version, self.manifest.state.head)
         if version % self.config.snapshot_every == 0:
             self._tg.start_soon(self._snapshot, self.manifest.state.copy())
 

@@ -26,6 +26,7 @@ __all__ = [
     "CommitRecord",
     "CreateRecord",
     "FinishRecord",
+    "GroupRecord",
     "MixRecord",
     "ReclaimRecord",
     "Record",
@@ -45,6 +46,7 @@ MAX_CHECKPOINT_ID = 256
 MAX_SEGMENT_KEY = 1024
 CHECKSUM_BITS = {"crc32": 32, "xxh3-64": 64}  # the checksums a TGB's slices may have, and their widths
 MAX_PACKED = 65536  # producers whose leftovers one packed TGB holds
+MAX_GROUP = 16384  # records one group holds
 
 
 class RecordError(ValueError):
@@ -276,9 +278,23 @@ class ReshapeRecord:
         }  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class GroupRecord:
+    """Several producers' `register` and `commit` records in one version (what combining commits),
+    applied in order, each as if it stood alone at that version: one that is not valid where it
+    stands is a no-op by itself, and the others still apply."""
+
+    records: tuple[RegisterRecord | CommitRecord, ...]
+    ts: float = 0.0
+    kind: ClassVar[str] = "group"
+
+    def members(self) -> dict[str, Any]:
+        return {"ts": self.ts, "records": [{"kind": r.kind, **r.members()} for r in self.records]}
+
+
 Record = (
     CreateRecord | RegisterRecord | CommitRecord | CheckpointRecord | ReleaseRecord | ReclaimRecord | RewindRecord
-    | ReshapeRecord | MixRecord | FinishRecord
+    | ReshapeRecord | MixRecord | FinishRecord | GroupRecord
 )  # fmt: skip
 
 
@@ -367,9 +383,15 @@ def decode_record(data: bytes) -> Record:
         r = orjson.loads(data)
     except orjson.JSONDecodeError as e:
         raise RecordError(f"JSONDecodeError: {e}") from None
+    return _decode(r)
+
+
+def _decode(r: Any, *, inner: bool = False) -> Record:
     if not isinstance(r, dict) or not isinstance(r.get("kind"), str):
         raise RecordError("not a record: a JSON object with a string 'kind' is required")
     kind = r["kind"]
+    if inner and kind not in ("register", "commit"):
+        raise RecordError(f"group: a group holds register and commit records, not {kind!r:.40}")
     f = _Fields(r, kind)
     if kind == "create":
         f.need(isinstance(r.get("config"), dict), "create: config must be an object")
@@ -445,4 +467,11 @@ def decode_record(data: bytes) -> Record:
         f.need(world <= hi, f"reshape: world size {world} is above the limit {hi}")
         step = f.int("from_step", why=f"reshape: bad step {r.get('from_step')!r:.40}")
         return ReshapeRecord(step, world, batch, f.ts())
+    if kind == "group" and not inner:
+        records: Any = r.get("records")
+        f.need(isinstance(records, list) and 0 < len(records) <= MAX_GROUP,
+               f"group: records must be a list of 1 to {MAX_GROUP}")  # fmt: skip
+        subs = tuple(_decode(x, inner=True) for x in records)
+        f.need(all(not getattr(x, "packs", ()) for x in subs), "group: a commit in a group packs no leftovers")
+        return GroupRecord(subs, f.ts())  # type: ignore[arg-type]
     raise RecordError(f"unknown record kind {kind!r}")

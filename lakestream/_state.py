@@ -57,6 +57,7 @@ from ._records import (
     CommitRecord,
     CreateRecord,
     FinishRecord,
+    GroupRecord,
     MixRecord,
     ReclaimRecord,
     Record,
@@ -301,17 +302,49 @@ class State:
             raise ValueError(f"apply: version {version} does not follow {self.version}")
         try:
             record = decode_record(data)
-            self._validate(version, record)
-            self._apply(version, record)
-            why = None
+            if isinstance(record, GroupRecord):
+                why = self._apply_group(version, record)
+            else:
+                self._validate(version, record)
+                self._apply(version, record)
+                why = None
         except (_Reject, RecordError) as e:
             why = str(e)
             self.rejected.append((version, why))
         self.version = version
         return why
 
+    def _apply_group(self, version: int, group: GroupRecord) -> str | None:
+        """Each record of the group in order, each a no-op by itself where it is not valid."""
+        whys = []
+        for i, r in enumerate(group.records):
+            try:
+                self._validate(version, r)
+                self._apply(version, r)
+            except _Reject as e:
+                whys.append(why := f"group record {i}: {e}")
+                self.rejected.append((version, why))
+        return "; ".join(whys) or None
+
+    def take(self, record: RegisterRecord | CommitRecord) -> str | None:
+        """Apply `record` as part of the group being built for the next version (the version does
+        not move); None if it took effect, else why it would be a no-op there (nothing changes)."""
+        try:
+            self._validate(self.version + 1, record)
+        except _Reject as e:
+            return str(e)
+        self._apply(self.version + 1, record)
+        return None
+
     def check(self, record: Record) -> str | None:
-        """Why `record` would be a no-op at the next version, or None if it would take effect."""
+        """Why `record` would be a no-op at the next version (for a group: any of its records), or
+        None if it would take effect."""
+        if isinstance(record, GroupRecord):
+            scratch = self.copy()
+            for i, r in enumerate(record.records):
+                if (why := scratch.take(r)) is not None:
+                    return f"group record {i}: {why}"
+            return None
         try:
             self._validate(self.version + 1, record)
         except _Reject as e:
@@ -641,6 +674,8 @@ class State:
             r = decode_record(data)
         except RecordError as e:
             return f"the record at version {v} is malformed ({e}), which this state did not reject"
+        if isinstance(r, GroupRecord):
+            return self._check_group(r)
         if isinstance(r, CreateRecord):
             ok = v == 0 and self.config == r.config and not self.steps
         elif isinstance(r, RegisterRecord):
@@ -682,6 +717,30 @@ class State:
         else:
             ok = self.head == r.to_step and all(p.token == "" for p in self.producers.values())
         return None if ok else f"the state does not reflect the {r.kind} record at version {v}"
+
+    def _check_group(self, g: GroupRecord) -> str | None:
+        """A group every record of which took effect: its commits' TGBs are the last steps, in its
+        order, and each producer whose last record in it is a register has that incarnation."""
+        v = self.version
+        want = [(r, i) for r in g.records if isinstance(r, CommitRecord) for i in range(len(r.tgbs))]
+        tail = self.steps[-len(want) :] if 0 < len(want) <= len(self.steps) else []
+        ok = len(tail) == len(want) and (
+            len(want) == len(self.steps) or not want or self.steps[-len(want) - 1].version < v
+        )
+        ok = ok and all(
+            (s.version, s.producer, s.epoch, s.seq, s.segment, s.ts, s.cursor, s.checksum)
+            == (v, r.producer, r.epoch, r.seq + i, r.tgbs[i].segment, r.ts, r.tgbs[i].cursor, r.tgbs[i].checksum)
+            and tuple((x.offset, x.length, x.digest, x.samples) for x in s.ranks) == r.tgbs[i].ranks
+            for s, (r, i) in zip(tail, want, strict=False)
+        )
+        last = {r.producer: r for r in g.records}
+        for pid, r in last.items():
+            p = self.producers.get(pid)
+            if isinstance(r, RegisterRecord):
+                ok = ok and p is not None and (p.epoch, p.token) == (r.epoch, r.token)
+            else:
+                ok = ok and p is not None and p.seq == r.seq + len(r.tgbs) - 1 and p.cursor == r.tgbs[-1].cursor
+        return None if ok else f"the state does not reflect the group record at version {v}"
 
 
 # -- snapshot validation ---------------------------------------------------------------------------

@@ -39,6 +39,7 @@ class Config:
     snapshot_every: int = 16
     keep_checkpoints: int = 3
     max_steps_ahead: int = 0
+    policies: tuple[str, ...] = ("dac", "combine", "eager", "interval")  # producer k commits with policies[k % len]
     checkpoint_every: int = 6  # steps
     gc_every: float = 3.0  # seconds (jittered)
     orphan_grace: float = 30.0  # 5 s lost data in a long run (upload-to-commit latency reached 12 s)

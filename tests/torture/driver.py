@@ -158,7 +158,7 @@ class Driver:
         run, cfg = self.run, self.run.cfg
         n = cfg.samples_per_producer()
         src_rng = random.Random(cfg.seed * 7919 + 1)
-        policies = ["dac", "dac", "eager", "interval"]
+        policies = cfg.policies
         for k in range(cfg.producers):
             pid = f"prod-{k}"
             src = run.workdir / "src" / pid
@@ -392,6 +392,11 @@ def main(argv: list[str] | None = None, *, description: str = "") -> int:
     ap.add_argument("--max-steps-ahead", type=int, default=Config.max_steps_ahead, help="back-pressure (0: off)")
     ap.add_argument("--faults", default=Config.faults, help="LAKESTREAM_FAULTS without seed ('' for none)")
     ap.add_argument("--timeouts", type=float, default=Config.timeout_probability, help="timeout probability per call")
+    ap.add_argument(
+        "--policies",
+        default=",".join(Config.policies),
+        help="commit policies, producer k takes the k-th (cycling); e.g. combine,combine,combine,dac",
+    )
     ap.add_argument("--no-mount", action="store_true")
     ap.add_argument("--no-rewind", action="store_true")
     ap.add_argument("--workdir", type=Path, default=None)
@@ -403,7 +408,7 @@ def main(argv: list[str] | None = None, *, description: str = "") -> int:
     cfg = Config(
         seconds=seconds, seed=seed, rate=a.rate, orphan_grace=a.orphan_grace, max_steps_ahead=a.max_steps_ahead,
         faults=a.faults, timeout_probability=a.timeouts, mount=not a.no_mount, rewind_at=0 if a.no_rewind else 0.5,
-        snapshot_every=64 if seconds > 120 else 16,
+        snapshot_every=64 if seconds > 120 else 16, policies=tuple(a.policies.split(",")),
     )  # fmt: skip
     if cfg.mount and not os.access("/dev/fuse", os.R_OK | os.W_OK):
         print("torture: /dev/fuse is not usable: running without the mount", file=sys.stderr)

@@ -1,0 +1,120 @@
+"""Combining: producers declare what they want committed; a combiner commits all of it in one version.
+
+    producer: upload segment -> put intent (_lakestream/intents/<producer>/<epoch>-<seq>.json)
+    combiner: list intents -> get the new ones -> group record of every valid one -> put version -> delete them
+
+One log version then carries many producers' TGBs (and registers), so the log's few versions a
+second at S3's latencies carry any number of TGBs, and a producer never reads the log to commit:
+it learns that its TGBs landed from the tail hint and the versions written since it declared them
+(`Producer`). What a group may hold is decided on the state it follows (`_decisions.combine`);
+what it means, for every reader alike, by `State.apply`. An intent is untrusted: its key must name
+what it holds, and one that is not a register or commit record of that producer is deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+
+from . import _decisions as decisions
+from ._errors import ObjectNotFound
+from ._layout import INTENTS_PREFIX, parse_intent_key
+from ._manifest import AppendResult, Manifest
+from ._records import CommitRecord, RecordError, RegisterRecord, decode_record
+from ._retry import retry
+from ._state import State
+
+__all__ = ["Combiner"]
+
+log = logging.getLogger("lakestream.producer")
+
+FETCH_CONCURRENCY = 64  # intents fetched at once
+
+
+class Combiner:
+    """One combiner's view of the declared intents (each fetched once) and its commit rounds."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self._intents: dict[str, RegisterRecord | CommitRecord] = {}
+
+    async def round(self, consumed: int | None, now: float) -> AppendResult | None:
+        """Commit every valid declared intent in one version (None: nothing was declared)."""
+        m = self.manifest
+        await m.refresh()
+        listed = set(await retry(lambda: m.store.list(INTENTS_PREFIX), attempts=None))
+        m.requests += 1
+        for key in [k for k in self._intents if k not in listed]:
+            del self._intents[key]  # committed and deleted by another combiner
+        done = [k for k in listed if self._done(m.state, k)]
+        new = [k for k in listed if k not in self._intents and parse_intent_key(k) is not None and k not in done]
+        bad: list[str] = []
+        limiter = anyio.CapacityLimiter(FETCH_CONCURRENCY)
+
+        async def fetch(key: str) -> None:
+            async with limiter:
+                try:
+                    data = await retry(lambda: m.store.get(key), attempts=None)
+                except ObjectNotFound:
+                    return  # committed and deleted meanwhile
+            m.requests += 1
+            record = _intent(key, data)
+            if record is None:
+                bad.append(key)
+            else:
+                self._intents[key] = record
+
+        async with anyio.create_task_group() as tg:
+            for key in new:
+                tg.start_soon(fetch, key)
+        if not self._intents:
+            await self._delete(done + bad)
+            return None
+        intents = list(self._intents.values())
+        result = await m.append(lambda st, _: decisions.combine(st, intents, consumed=consumed, now=now))
+        done += [k for k in self._intents if self._done(m.state, k)]
+        for key in done:
+            self._intents.pop(key, None)
+        await self._delete(done + bad)
+        return result
+
+    def _done(self, state: State, key: str) -> bool:
+        """Whether the intent at `key` can never be committed again: it landed, or was fenced."""
+        parsed = parse_intent_key(key)
+        if parsed is None:
+            return False
+        p = state.producers.get(parsed[0])
+        if p is None:
+            return False
+        if len(parsed) == 2:
+            return p.token == parsed[1]
+        record = self._intents.get(key)
+        if p.epoch != parsed[1] or not isinstance(record, CommitRecord):
+            return p.epoch > parsed[1]  # how many TGBs it holds is known once it was fetched
+        return record.seq + len(record.tgbs) - 1 <= p.seq
+
+    async def _delete(self, keys: list[str]) -> None:
+        if not keys:
+            return
+        try:
+            await self.manifest.store.delete(keys)
+            self.manifest.requests += 1
+        except Exception as e:  # best effort: the next round (or GC) deletes them
+            log.debug("%s: deleting %d intents failed: %s", self.manifest.url, len(keys), e)
+
+
+def _intent(key: str, data: bytes) -> RegisterRecord | CommitRecord | None:
+    """The record of the intent at `key`, if it is what its key says; else None (with a warning)."""
+    parsed = parse_intent_key(key)
+    try:
+        r = decode_record(data)
+    except RecordError as e:
+        log.warning("intent %s is not a record (%s): deleting it", key, e)
+        return None
+    if isinstance(r, RegisterRecord) and parsed == (r.producer, r.token):
+        return r
+    if isinstance(r, CommitRecord) and not r.packs and parsed == (r.producer, r.epoch, r.seq):
+        return r
+    log.warning("intent %s does not hold what its key names: deleting it", key)
+    return None

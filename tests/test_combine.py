@@ -1,0 +1,238 @@
+"""Combining: many producers' registers and commits in one group record (pure: records, state, decisions)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import anyio
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lakestream
+from lakestream import Config, State
+from lakestream import _decisions as decisions
+from lakestream._layout import intent_key
+from lakestream._records import (
+    CheckpointRecord,
+    CommitRecord,
+    CreateRecord,
+    GroupRecord,
+    RegisterRecord,
+    TgbRef,
+    decode_record,
+    encode_record,
+)
+from lakestream._store import MemoryStore
+
+W = 2
+
+
+def tgb(pid: str, epoch: int, seq: int) -> TgbRef:
+    return TgbRef(f"segments/{pid}/{epoch}-{seq}-x.tgb", ((0, 10, 1, 1), (10, 10, 2, 1)), [pid, seq])
+
+
+def intent(pid: str, epoch: int, seq: int, n: int = 1, ts: float = 0.0) -> CommitRecord:
+    return CommitRecord(pid, epoch, seq, tuple(tgb(pid, epoch, seq + i) for i in range(n)), 0, ts)
+
+
+def stream(limit: int = 0, *pids: str) -> State:
+    s = State()
+    s.apply(0, encode_record(CreateRecord(Config(world_size=W, global_batch=2, max_steps_ahead=limit))))
+    for pid in pids:
+        s.apply(s.version + 1, encode_record(RegisterRecord(pid, 1, "t-" + pid)))
+    return s
+
+
+def test_a_group_registers_and_commits_many_producers_in_one_version() -> None:
+    s = stream(0, "a", "b")
+    group = decisions.combine(
+        s,
+        [intent("b", 1, 0, 2, ts=1.0), RegisterRecord("c", 1, "tc", 0.5), intent("a", 1, 0, ts=2.0), intent("c", 1, 0)],
+        now=3.0,
+    )
+    assert group is not None
+    # registers first: c's commit is valid after c's register (epoch 1) in the same group
+    assert [type(r).__name__ for r in group.records] == ["RegisterRecord"] + ["CommitRecord"] * 3
+    data = encode_record(group)
+    assert decode_record(data) == group
+    assert s.check(group) is None
+    s.apply(s.version + 1, data)
+    assert not s.rejected
+    assert [(x.producer, x.seq, x.version) for x in s.steps] == [("c", 0, 3), ("b", 0, 3), ("b", 1, 3), ("a", 0, 3)]
+    assert s.producers["c"].token == "tc" and s.producers["b"].cursor == ["b", 1]
+    again = decisions.combine(s, [intent("b", 1, 0, 2), intent("a", 1, 0), RegisterRecord("c", 1, "tc")], now=4.0)
+    assert again is None  # every intent landed: nothing left to do
+
+
+def test_a_group_leaves_out_what_is_not_valid_and_honours_back_pressure() -> None:
+    s = stream(3, "a", "b", "c")
+    s.apply(s.version + 1, encode_record(RegisterRecord("c", 2, "t2")))  # fences c's epoch 1
+    group = decisions.combine(
+        s,
+        [intent("a", 1, 1), intent("b", 1, 0, 2, ts=1.0), intent("c", 1, 0), intent("b", 1, 2, 2, ts=0.5)],
+        consumed=None,
+        now=1.0,
+    )
+    assert group is not None  # a's starts at seq 1 (a gap); c is fenced; b's run fills the room
+    assert [(r.producer, r.seq, len(r.tgbs)) for r in group.records if isinstance(r, CommitRecord)] == [
+        ("b", 0, 2),
+        ("b", 2, 1),
+    ]
+    s.apply(s.version + 1, encode_record(group))
+    assert s.head == 2 and decisions.combine(s, [intent("b", 1, 3)], now=2.0) is None  # no room
+    assert decisions.combine(s, [intent("b", 1, 2, 2)], consumed=0, now=2.0) is not None  # the trainer moved
+
+
+def test_a_record_of_a_group_that_is_not_valid_where_it_stands_is_a_noop_by_itself() -> None:
+    s = stream(0, "a", "b")
+    group = GroupRecord((intent("a", 1, 5), intent("b", 1, 0), intent("b", 1, 0)), 1.0)
+    assert "group record 0" in (s.check(group) or "")
+    s.apply(s.version + 1, encode_record(group))
+    assert [(x.producer, x.seq) for x in s.steps] == [("b", 0)]
+    assert [v for v, _ in s.rejected] == [s.version, s.version]
+    assert s.check_last_record(encode_record(group)) is None  # rejected records: nothing to compare
+
+
+@pytest.mark.parametrize(
+    "records",
+    [
+        [],
+        [{"kind": "group", "records": []}],
+        [{"kind": "checkpoint", "id": "c", "step": 0}],
+        "not a list",
+        [encode_record(intent("a", 1, 0)).decode()],
+    ],
+)
+def test_a_malformed_group_is_a_noop(records: object) -> None:
+    s = stream(0, "a")
+    data = orjson.dumps({"kind": "group", "ts": 0.0, "records": records})
+    assert s.apply(s.version + 1, data) is not None
+    assert s.head == -1
+
+
+def test_a_snapshot_is_checked_against_a_group_record() -> None:
+    s = stream(0, "a", "b")
+    group = decisions.combine(s, [intent("a", 1, 0), intent("b", 1, 0, 2)], now=1.0)
+    assert group is not None
+    s.apply(s.version + 1, encode_record(group))
+    assert s.check_last_record(encode_record(group)) is None
+    forged = s.copy()
+    forged.steps.pop()
+    assert forged.check_last_record(encode_record(group)) is not None
+    other = encode_record(CheckpointRecord("c", 0))
+    assert s.check_last_record(other) is not None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("abcd"), st.integers(0, 6), st.integers(1, 3), st.floats(0, 10)),
+        max_size=12,
+    ),
+    st.sets(st.sampled_from("abcd")),
+    st.integers(0, 8),
+    st.one_of(st.none(), st.integers(-1, 10)),
+)
+def test_combine_takes_every_valid_intent_exactly_once_in_sequence_within_room(
+    raw: list[tuple[str, int, int, float]], registered: set[str], limit: int, consumed: int | None
+) -> None:
+    s = stream(limit, *sorted(registered))
+    intents = [intent(pid, 1, seq, n, ts) for pid, seq, n, ts in raw]
+    intents += [RegisterRecord(pid, 1, "t-" + pid) for pid in "abcd" if pid not in registered]
+    before = {pid: p.seq for pid, p in s.producers.items()}
+    room = decisions.room(s, consumed)
+    group = decisions.combine(s, intents, consumed=consumed, now=1.0)
+    if group is None:
+        return
+    assert s.check(group) is None
+    s.apply(s.version + 1, encode_record(group))
+    assert not s.rejected
+    new = [x for x in s.steps]
+    assert len(new) <= max(0, room) or not limit
+    seen = {(x.producer, x.seq) for x in new}
+    assert len(seen) == len(new)  # exactly once
+    declared = {(pid, seq + i) for pid, seq, n, _ in raw for i in range(n)}
+    for pid, p in s.producers.items():
+        got = sorted(seq for q, seq in seen if q == pid)
+        assert got == list(range(before.get(pid, -1) + 1, p.seq + 1))  # gap-free from its next seq
+        assert all((pid, q) in declared for q in got)
+
+
+# -- producers that combine, on real stores ---------------------------------------------------------
+
+
+async def produce(target, pid: str, n: int, **kw) -> lakestream.Producer:
+    async with lakestream.open_producer(target, pid, **kw) as p:
+        for i in range(p.cursor or 0, n):
+            await p.put({"__key__": f"{pid}-{i}", "txt": f"{pid} {i}"}, cursor=i + 1)
+    return p
+
+
+async def keys_read(target, world: int) -> Counter[str]:
+    state = await lakestream.load_state(target)
+    keys: Counter[str] = Counter()
+    for rank in range(world):
+        async with lakestream.open_reader(target, rank, publish_consumed=False) as r:
+            async for b in r.steps(state.first_step, state.head + 1):
+                keys.update(s["__key__"] for s in b.samples)
+    return keys
+
+
+@pytest.fixture(params=["file", "s3"])
+def url(request: pytest.FixtureRequest, tmp_path) -> str:
+    return f"file://{tmp_path}/s" if request.param == "file" else str(request.getfixturevalue("s3_url"))
+
+
+async def test_combining_producers_commit_every_sample_once_in_few_versions(url: str) -> None:
+    await lakestream.create(url, world_size=2, global_batch=4)
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            for k in range(4):
+                tg.start_soon(lambda k=k: produce(url, f"c{k}", 30, combine=True))
+            tg.start_soon(lambda: produce(url, "direct", 30))  # a producer that commits itself, alongside
+    keys = await keys_read(url, 2)
+    assert keys == Counter({f"{pid}-{i}": 1 for pid in [*(f"c{k}" for k in range(4)), "direct"] for i in range(30)})
+    report = await lakestream.verify(url)
+    assert report.ok, report.problems
+    state = await lakestream.load_state(url)
+    assert len({s.version for s in state.steps}) < len(state.steps)  # several TGBs shared a version
+
+
+async def test_intents_that_are_not_what_their_key_says_are_deleted_and_commits_go_on(caplog) -> None:
+    store = MemoryStore()
+    await lakestream.create(store, world_size=1, global_batch=2)
+    await produce(store, "a", 4, combine=True)  # a is registered (epoch 1), 2 TGBs committed
+    forged = intent("a", 1, 2)  # a's next TGB, forged by someone else: a segment that does not exist
+    await store.put(intent_key("b", 1, 0), encode_record(forged))  # under another producer's key
+    await store.put(intent_key("a", 1, 7), b"{not json")
+    await store.put(intent_key("a", 1, 9), encode_record(CheckpointRecord("c", 0)))
+    await produce(store, "b", 6, combine=True)
+    state = await lakestream.load_state(store)
+    assert [s.producer for s in state.steps] == ["a", "a", "b", "b", "b"]
+    assert not [k for k in await store.list("_lakestream/intents/") if "/b/1-0" in k or "/a/1-7" in k or "/a/1-9" in k]
+    assert "does not hold what its key names" in caplog.text and "is not a record" in caplog.text
+    assert (await lakestream.verify(store)).ok
+
+
+async def test_a_combining_producer_that_crashed_resumes_exactly_once_and_a_zombie_is_fenced() -> None:
+    store = MemoryStore()
+    await lakestream.create(store, world_size=1, global_batch=2)
+    zombie = lakestream.Producer(store, "p", combine=True)
+    await zombie.__aenter__()
+    try:
+        for i in range(5):
+            await zombie.put({"__key__": f"p-{i}", "txt": "x"}, cursor=i + 1)
+        await zombie.flush()  # 2 TGBs committed, 1 sample open
+        with anyio.fail_after(30):
+            await produce(store, "p", 10, combine=True)  # a new incarnation resumes at cursor 4
+        with pytest.raises(lakestream.ProducerFenced):
+            with anyio.fail_after(30):
+                for i in range(5, 9):
+                    await zombie.put({"__key__": f"p-{i}", "txt": "x"}, cursor=i + 1)
+                await zombie.flush()
+    finally:
+        await zombie.aclose()
+    assert await keys_read(store, 1) == Counter({f"p-{i}": 1 for i in range(10)})
+    assert (await lakestream.verify(store)).ok
