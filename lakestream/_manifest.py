@@ -457,14 +457,16 @@ class Manifest:
             return None
         return values
 
-    async def read_tail(self) -> tuple[int, int] | None:
-        """(version, head) where the log ended when its last writer wrote the tail hint, or None.
-        A hint: it may be behind (a slower writer's), never trusted for more than where to look."""
-        tail = await self._small_object(TAIL_KEY, ("version", "head"))
-        return None if tail is None else (tail[0], tail[1])
+    async def read_tail(self) -> tuple[int, int, int] | None:
+        """(version, head, beat) where the log ended when its last writer wrote the tail hint, or
+        None; `beat` counts a combiner's rounds that committed nothing, so that producers waiting
+        for it can tell a combiner at work (held by back-pressure) from none. A hint: it may be
+        behind (a slower writer's), never trusted for more than where to look."""
+        tail = await self._small_object(TAIL_KEY, ("version", "head", "beat"))
+        return None if tail is None else (tail[0], tail[1], tail[2])
 
-    async def write_tail(self, version: int, head: int) -> None:
-        await self.store.put(TAIL_KEY, orjson.dumps({"version": version, "head": head}))
+    async def write_tail(self, version: int, head: int, beat: int = 0) -> None:
+        await self.store.put(TAIL_KEY, orjson.dumps({"version": version, "head": head, "beat": beat}))
         self.requests += 1
 
     async def read_consumed(self) -> int | None:

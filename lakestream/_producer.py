@@ -73,8 +73,10 @@ HOLD_POLL = (0.01, 0.5)  # a producer held by back-pressure looks again after th
 # Combining (see `_combine`): how often a combiner commits what was declared; how often a producer
 # with declared TGBs looks at the tail hint; how long the log may stand still while it waits before
 # it commits them itself (and everything else declared), staying a combiner for a while after.
-COMBINE_EVERY = 0.25
-LOOK_EVERY = 0.2
+COMBINE_EVERY = (0.25, 0.5)  # a round after one that committed at least COMBINE_FULL TGBs; after any other
+COMBINE_FULL = 4
+LOOK_FIRST, LOOK_EVERY = 0.5, 0.25  # a producer first looks for its declared TGBs after this, then this often
+BEAT_EVERY = 1.0  # a combiner that commits nothing while TGBs are declared says so this often
 TAKEOVER_AFTER = 2.0
 STICKY = 30.0
 
@@ -172,6 +174,11 @@ class Producer:
         self._rng = self.manifest.rng  # jitter: seeded where the manifest's is
         self._seen = -1  # the log version up to which this producer looked for its own commits
         self._tail_head = -1  # the head the tail hint last said
+        self._tail: tuple[int, int, int] | None = None  # the tail hint as last read
+        self._beat = 0  # rounds of this combiner that committed nothing (see `Manifest.read_tail`)
+        self._beat_at = -math.inf
+        self._last_round = 0  # TGBs the last combine round committed
+        self._caught_up_at = -math.inf
         self._moved_at = 0.0  # when the log was last seen to move (or this producer started waiting)
         self._combining_until = -math.inf  # a combiner that took over stays one until then
         self._leader: tuple[int, bool] = (-1, False)  # (version, whether this producer leads there)
@@ -233,6 +240,8 @@ class Producer:
         while (p := self.manifest.state.producers.get(self.id)) is None or p.token != self._token:
             await anyio.sleep(interval * (0.5 + self._rng.random()))
             tail = await self.manifest.read_tail()
+            if tail != self._tail:
+                self._tail, self._moved_at = tail, self._clock()  # a combiner is at work
             if (tail is None or tail[0] > self.manifest.state.version) and await self.manifest.refresh():
                 self._moved_at = self._clock()
             elif self._clock() - self._moved_at > TAKEOVER_AFTER * (1 + self._rng.random()):
@@ -645,7 +654,9 @@ class Producer:
                 if all(t.declared_at is None for t in self._pending):
                     await self._wait_changed()  # uploads in progress
                     continue
-                with anyio.move_on_after(LOOK_EVERY * (0.5 + self._rng.random())):
+                oldest = min(t.declared_at for t in self._pending if t.declared_at is not None)
+                first = oldest + LOOK_FIRST - self._clock()  # about when a combiner will have committed it
+                with anyio.move_on_after(max(first, LOOK_EVERY * (0.75 + 0.5 * self._rng.random()))):
                     await self._wait_changed()
                 await self._look()
         except Exception as e:
@@ -668,19 +679,27 @@ class Producer:
             t.declared_at = now
 
     async def _look(self) -> None:
-        """Did declared TGBs land? The tail hint says whether the log moved; the versions since
-        `_seen` say what landed. A log that stands still for TAKEOVER_AFTER, or declared TGBs
-        that wait much longer than that while it moves, make this producer catch up with the
-        whole log (to learn why: fenced, or sealed for a mix no longer in force) and commit."""
+        """Did declared TGBs land? The tail hint says whether the log moved (or a combiner is at
+        work: its beat); the versions since `_seen` say what landed. A tail hint that stands still
+        for TAKEOVER_AFTER (no combiner at work) makes this producer commit itself, and what the
+        others declared; TGBs declared long ago while a combiner works make it catch up with the
+        whole log once, to learn why (fenced, or sealed for a mix no longer in force)."""
         tail = await self.manifest.read_tail()
+        now = self._clock()
+        if tail != self._tail:
+            self._tail, self._moved_at = tail, now
         if tail is not None and tail[0] > self._seen:
             self._tail_head = max(self._tail_head, tail[1])
             await self._scan(tail[0])
             return
-        oldest = min((t.declared_at for t in self._pending if t.declared_at is not None), default=self._clock())
-        waited = self._clock() - max(oldest, self._moved_at)
-        if waited > TAKEOVER_AFTER * (1 + self._rng.random()) or self._clock() - oldest > 5 * TAKEOVER_AFTER:
+        oldest = min((t.declared_at for t in self._pending if t.declared_at is not None), default=now)
+        if now - max(oldest, self._moved_at) > TAKEOVER_AFTER * (1 + self._rng.random()):
             await self._take_over()
+        elif now - max(oldest, self._caught_up_at) > 5 * TAKEOVER_AFTER:
+            await self._catch_up()
+            for t in self._pending:  # declared again: an intent may have been deleted
+                t.declared_at = None
+            self._notify()
 
     async def _scan(self, top: int) -> None:
         """Read versions `_seen + 1`..`top` and take in this producer's commits in them."""
@@ -730,7 +749,7 @@ class Producer:
         """Follow the whole log to its tail; what landed, whether this incarnation is fenced, and
         whether a declared TGB can no longer land (MixChanged) all come from the state."""
         await self.manifest.refresh()
-        self._seen, self._moved_at = max(self._seen, self.manifest.state.version), self._clock()
+        self._seen, self._caught_up_at = max(self._seen, self.manifest.state.version), self._clock()
         self._drop_committed(self.manifest.state)
         waiting = [decisions.PendingTgb(t.seq, t.ref) for t in self._ready() if t.ref is not None]
         if waiting:  # raises what committing them would (ProducerFenced, MixChanged)
@@ -740,14 +759,16 @@ class Producer:
         await self._catch_up()
         for t in self._pending:  # declared again at the first one not committed (intents may be gone)
             t.declared_at = None
-        await self._declare(self._ready())
+        if ready := self._ready():
+            await self._declare(ready)
         await self._combine_round(took_over=True)
 
     async def _combining(self) -> None:
         """Combine in the background while this producer leads (or took over lately)."""
         try:
             while True:
-                await anyio.sleep(COMBINE_EVERY * (0.75 + 0.5 * self._rng.random()))
+                every = COMBINE_EVERY[0] if self._last_round >= COMBINE_FULL else COMBINE_EVERY[1]
+                await anyio.sleep(every * (0.75 + 0.5 * self._rng.random()))
                 if self._clock() < self._combining_until or self._leads():
                     await self._combine_round()
         except Exception as e:
@@ -764,7 +785,8 @@ class Producer:
         return self._leader[1]
 
     async def _combine_round(self, *, took_over: bool = False) -> None:
-        if self.config.max_steps_ahead and self._clock() - self._mark_at > HOLD_POLL[1]:
+        tight = decisions.room(self.manifest.state, self._mark) < 4 * COMBINE_FULL  # else the mark can wait
+        if self.config.max_steps_ahead and tight and self._clock() - self._mark_at > HOLD_POLL[1]:
             await self._read_mark()
         result = await self._combiner.round(self._mark, self._wall())
         state = self.manifest.state
@@ -772,16 +794,26 @@ class Producer:
         if self.epoch:
             self._drop_committed(state)
         if result is None:
-            return
+            return  # nothing declared: nobody waits
         self._metrics.appended(result)
+        record = result.record
+        self._last_round = (
+            sum(len(r.tgbs) for r in record.records if isinstance(r, CommitRecord))
+            if isinstance(record, GroupRecord)
+            else 0
+        )
         if result.version is not None:
             self.stats.commits += 1
-            await self._write_tail(result.version, state.head)
             self._appended(result.version, tail=False)
-        if took_over or (result.version is not None and self._clock() < self._combining_until):
-            self._combining_until = self._clock() + STICKY
-        elif result.conflicts and not self._leads():
+            await self._write_tail(state.version, state.head, self._beat)
+        elif self._clock() - self._beat_at >= BEAT_EVERY:
+            # Declared TGBs wait (back-pressure, or not valid): say that a combiner is at work.
+            self._beat, self._beat_at = self._beat + 1, self._clock()
+            await self._write_tail(state.version, state.head, self._beat)
+        if result.conflicts and not self._leads():
             self._combining_until = -math.inf  # another combiner is at work: leave it to it
+        elif took_over or self._clock() < self._combining_until:
+            self._combining_until = self._clock() + STICKY
         self._notify()
 
     async def _room(self, *, for_upload: bool = False) -> int:
@@ -915,9 +947,9 @@ class Producer:
         if version % self.config.snapshot_every == 0:
             self._tg.start_soon(self._snapshot, self.manifest.state.copy())
 
-    async def _write_tail(self, version: int, head: int) -> None:
+    async def _write_tail(self, version: int, head: int, beat: int = 0) -> None:
         try:
-            await self.manifest.write_tail(version, head)
+            await self.manifest.write_tail(version, head, beat)
         except Exception as e:  # best effort: a stale tail costs a held producer a log read
             log.debug("%s: tail hint at version %d failed: %s", self.manifest.url, version, e)
 

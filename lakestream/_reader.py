@@ -134,6 +134,7 @@ class Reader:
         # The trainer's consumption mark, which back-pressure counts from: rank 0 publishes it.
         self.publish_consumed = rank == 0 if publish_consumed is None else publish_consumed
         self.consumed = -1  # the last step `steps` yielded whose next step was then asked for
+        self._reading_ahead = False
         self._checkpoints: deque[_Checkpoint] = deque()  # asked for, not recorded yet; the first in progress
         self._checkpoint_error: Exception | None = None
         self.bytes_fetched = 0
@@ -315,6 +316,11 @@ class Reader:
             step += 1
 
     def _prefetch_after(self, step: int, stop: int | None) -> None:
+        if self.state.head < step + self.prefetch and not self._reading_ahead and self._tg is not None:
+            # Near the known head: read the log on, in the background, so that the next steps are
+            # known (and prefetched) before they are asked for, not one round trip after.
+            self._reading_ahead = True
+            self._tg.start_soon(self._read_ahead)
         last = min(self.state.head, step + self.prefetch)
         if stop is not None:
             last = min(last, stop - 1)
@@ -330,6 +336,14 @@ class Reader:
             if self._key(entry) not in self._fetches and self._inflight_bytes + size > self.max_prefetch_bytes:
                 break
             self._start(entry)
+
+    async def _read_ahead(self) -> None:
+        try:
+            await self.manifest.refresh()
+        except Exception as e:  # the next wait_for_step reads the log again and raises what persists
+            log.debug("%s: reading the log ahead failed: %s", self.url, e)
+        finally:
+            self._reading_ahead = False
 
     def _key(self, entry: Step) -> tuple[int, int, int]:
         # A rewind gives a step a new TGB at a new version; a reshape gives it a new world size.
