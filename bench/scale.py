@@ -17,7 +17,9 @@ simulation's own bookkeeping. docs/scale.md describes the model and what it leav
 The load of a row (N, D, R): a stream of world size R, global batch R (one tiny sample per rank),
 `max_steps_ahead` 32. N producers (coroutines) start over the first `--ramp` seconds; each seals
 one TGB every N/D seconds (open loop, from a random phase: together D TGBs, i.e. steps, per
-second), putting its R samples at once. R readers (one `Reader` per rank) read in lock-step: the
+second), putting its R samples at once. R readers (one `Reader` per rank; the 8 ranks of a node
+share one log follower, `open_reader(follower=...)`, as ranks reading through their node's mount
+do) read in lock-step: the
 trainer takes step s once every rank has it, spends 1/D s on it, and rank 0 then records a
 checkpoint every `--checkpoint-every` steps (`Reader.checkpoint` on rank 0's reader; the trainer
 waits for the call to return, which records in the background); no rank asks for step s + 1
@@ -74,6 +76,7 @@ from lakestream.testing import LOG_PREFIX, SimulatedS3
 
 WALL0 = 1_700_000_000.0  # the simulated wall clock's reading at simulated time 0
 MAX_STEPS_AHEAD = 32
+RANKS_PER_NODE = 8
 SAMPLE = {"x": b"\x00" * 8}
 JAIN_GRACE = 5.0  # seconds before the end after which a due TGB is not counted against a producer
 GET_OPS = ("get", "get_range", "list")
@@ -237,9 +240,11 @@ async def _producer(run: _Run, i: int) -> None:
             k += 1
 
 
-async def _rank(run: _Run, rank: int, have: dict[int, int], all_have: _Gate, released: _Gate) -> None:
-    store = run.bucket.client("reader")
-    async with lakestream.open_reader(store, rank, run.row.r, clock=now) as reader:
+async def _rank(
+    run: _Run, rank: int, follower: Manifest, have: dict[int, int], all_have: _Gate, released: _Gate
+) -> None:
+    store = follower.store
+    async with lakestream.open_reader(store, rank, run.row.r, follower=follower, clock=now) as reader:
         if rank == 0:
             run.reader0 = reader
         async for batch in reader.steps(0):
@@ -325,8 +330,11 @@ async def run_row(row: Row) -> dict[str, Any]:
     async with anyio.create_task_group() as tg:
         for i in range(row.n):
             tg.start_soon(_producer, run, i)
-        for rank in range(row.r):
-            tg.start_soon(_rank, run, rank, have, all_have, released)
+        for node in range(0, row.r, RANKS_PER_NODE):  # the ranks of a node follow the log once, as through a mount
+            follower = Manifest(bucket.client("reader"), clock=now, retries=None, rng=random.Random(row.seed + node))
+            await follower.load()
+            for rank in range(node, min(node + RANKS_PER_NODE, row.r)):
+                tg.start_soon(_rank, run, rank, follower, have, all_have, released)
         tg.start_soon(_trainer, run, all_have, released)
         await _watch(run)
         tg.cancel_scope.cancel()

@@ -160,7 +160,10 @@ async def open_reader(
 
     Raises StreamNotFound, ConfigMismatch (world size differs), ValueError (rank out of range).
 
-    Options: prefetch, max_prefetch_bytes, poll_interval, verify, raw (fields as stored bytes).
+    Options: prefetch, max_prefetch_bytes, poll_interval, verify, raw (fields as stored bytes),
+    collate, publish_consumed (publish the trainer's consumption mark, which back-pressure counts
+    from; default: rank 0 does), follower (a loaded `Manifest` shared by the readers of one node,
+    so that the log is read once for all of them).
     """
     async with _store_for(target) as store, Reader(store, rank, world_size, **options) as reader:
         yield reader

@@ -313,6 +313,17 @@ class Manifest:
         async with self._refreshing:  # one reader of the log at a time: versions apply in order
             return await self._refresh(window)
 
+    async def follow(self) -> int:
+        """`refresh` for readers that share this view (ranks of one node): while another task
+        reads the log, wait for it and take what it applied rather than read the log again. The
+        versions applied since the call, by whichever task."""
+        if not self._refreshing.locked():
+            return await self.refresh()
+        before = self.state.version
+        async with self._refreshing:
+            pass
+        return self.state.version - before
+
     async def _refresh(self, first: int | None) -> int:
         applied = 0
         if self.clock() - self.confirmed_at > self.lease / 2:

@@ -75,7 +75,9 @@ HOLD_POLL = (0.01, 0.5)  # a producer held by back-pressure looks again after th
 # it commits them itself (and everything else declared), staying a combiner for a while after.
 COMBINE_EVERY = (0.25, 0.5)  # a round after one that committed at least COMBINE_FULL TGBs; after any other
 COMBINE_FULL = 4
-LOOK_FIRST, LOOK_EVERY = 0.5, 0.25  # a producer first looks for its declared TGBs after this, then this often
+# A producer first looks for its declared TGBs after LOOK_FIRST, then every LOOK_EVERY, less often
+# (doubling up to LOOK_MAX) while looks find nothing of its own landed (back-pressure holds them).
+LOOK_FIRST, LOOK_EVERY, LOOK_MAX = 0.5, 0.25, 2.0
 BEAT_EVERY = 1.0  # a combiner that commits nothing while TGBs are declared says so this often
 TAKEOVER_AFTER = 2.0
 STICKY = 30.0
@@ -178,6 +180,7 @@ class Producer:
         self._beat = 0  # rounds of this combiner that committed nothing (see `Manifest.read_tail`)
         self._beat_at = -math.inf
         self._last_round = 0  # TGBs the last combine round committed
+        self._looks = 0  # looks in a row that found none of this producer's TGBs landed
         self._caught_up_at = -math.inf
         self._moved_at = 0.0  # when the log was last seen to move (or this producer started waiting)
         self._combining_until = -math.inf  # a combiner that took over stays one until then
@@ -656,9 +659,12 @@ class Producer:
                     continue
                 oldest = min(t.declared_at for t in self._pending if t.declared_at is not None)
                 first = oldest + LOOK_FIRST - self._clock()  # about when a combiner will have committed it
-                with anyio.move_on_after(max(first, LOOK_EVERY * (0.75 + 0.5 * self._rng.random()))):
+                every = min(LOOK_EVERY * 2 ** max(0, self._looks - 2), LOOK_MAX)  # held back: look less often
+                with anyio.move_on_after(max(first, every * (0.75 + 0.5 * self._rng.random()))):
                     await self._wait_changed()
+                committed = self._committed_seq
                 await self._look()
+                self._looks = 0 if self._committed_seq != committed else self._looks + 1
         except Exception as e:
             self._fail(e)
 

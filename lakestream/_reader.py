@@ -114,6 +114,7 @@ class Reader:
         raw: bool = False,
         collate: bool = False,
         publish_consumed: bool | None = None,
+        follower: Manifest | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if rank is not None and (type(rank) is not int or rank < 0):
@@ -122,7 +123,9 @@ class Reader:
         self.rank = rank
         self.world_size = world_size
         self._expect = world_size  # the world size the caller asked for (None: whatever each step has)
-        self.manifest = Manifest(store, clock=clock, retries=None)  # an outage never stops a reader
+        # One view of the log per reader, or one `follower` shared by the readers of a node (each
+        # version is then read once for all of them: `Manifest.follow`).
+        self.manifest = follower or Manifest(store, clock=clock, retries=None)  # an outage never stops a reader
         self.prefetch = max(0, prefetch)
         self.max_prefetch_bytes = max_prefetch_bytes
         self.poll_min, self.poll_max = poll_interval
@@ -153,7 +156,7 @@ class Reader:
         return self.store.url
 
     async def __aenter__(self) -> Reader:
-        state = await self.manifest.load()
+        state = self.manifest.state if self.manifest.state.version >= 0 else await self.manifest.load()
         assert state.config is not None
         worlds = {state.config.world_size} | {w for _, w, _ in state.shapes}
         w = state.world_at(state.head + 1) if self.world_size is None else self.world_size
@@ -251,7 +254,7 @@ class Reader:
             entry = self._entry(step)
             if entry is not None:
                 return entry
-            applied = await self.manifest.refresh()
+            applied = await self.manifest.follow()
             if check is not None:
                 check()
             if applied:
@@ -339,7 +342,7 @@ class Reader:
 
     async def _read_ahead(self) -> None:
         try:
-            await self.manifest.refresh()
+            await self.manifest.follow()
         except Exception as e:  # the next wait_for_step reads the log again and raises what persists
             log.debug("%s: reading the log ahead failed: %s", self.url, e)
         finally:
