@@ -225,3 +225,51 @@ async def test_s3_gives_up_when_the_next_wait_would_pass_the_retry_timeout(cls: 
             await store.list("")
     assert info.value.retried and store.requests == 5
     assert t.sleeps == pytest.approx([0.05, 0.1, 0.2, 0.4])  # 0.75 s; another 0.8 would pass 1.0
+
+
+# -- the request budget ---------------------------------------------------------------------------
+
+
+async def test_a_request_budget_keeps_its_rate_halves_on_throttling_and_recovers() -> None:
+    from lakestream._store._budget import RequestBudget
+
+    t = FakeTime()
+    b = RequestBudget(get_rate=100, put_rate=10, clock=t.clock, sleep=t.sleep)
+    start = t.now
+    for _ in range(110):
+        await b.acquire("get")
+    assert 0.95 <= t.now - start <= 1.05  # 10 at once (a tenth of a second of burst), then 100 a second
+    for _ in range(3):
+        await b.acquire("put")  # its own bucket
+    assert b.rate("list") == 100 and b.rate("put") == 10
+    b.throttled("get")
+    b.throttled("get_range")  # the same burst of 503s: halved once
+    assert b.rate("get") == pytest.approx(50, abs=0.1) and b.halvings == 1
+    t.now += 1.0
+    assert b.rate("get") == pytest.approx(55, abs=0.1)  # 5% of the budget back per second
+    for _ in range(8):
+        t.now += HALF
+        b.throttled("get")
+    assert b.rate("get") >= 1.0  # never below one a second
+    t.now += 60
+    assert b.rate("get") == 100
+    with pytest.raises(ValueError, match="get_rate"):
+        RequestBudget(get_rate=0)
+
+
+HALF = 0.1
+
+
+@pytest.mark.parametrize("cls", S3_STORES)
+async def test_s3_slows_down_on_the_log_prefix_when_the_store_pushes_back(cls: type[S3Store | ObstoreS3Store]) -> None:
+    from lakestream._store._budget import RequestBudget
+
+    t = FakeTime()
+    budget = RequestBudget(get_rate=1000, put_rate=1000, clock=t.clock, sleep=t.sleep)
+    async with s3_store(cls, t, max_attempts=6, retry_timeout=1000, budget=budget) as store:  # type: ignore[arg-type]
+        with pytest.raises(StoreUnavailable):
+            await store.get("_lakestream/log/00000000000000000001.json")
+        assert budget.rate("get") < 1000 / 4 and budget.halvings >= 3
+        with pytest.raises(StoreUnavailable):
+            await store.get("segments/p/1-0-x.tgb")  # data is not budgeted
+        assert budget.halvings <= 6

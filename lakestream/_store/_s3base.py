@@ -17,6 +17,7 @@ import anyio
 
 from .._errors import AccessDenied, BucketNotFound, ObjectNotFound, StoreError, StoreUnavailable
 from .._retry import Backoff, RandomSource, retry
+from ._budget import RequestBudget, budget_for
 
 __all__ = ["DENIED_CODES", "RETRY_CODES", "S3_BACKOFF", "S3Base", "retryable_response"]
 
@@ -50,6 +51,7 @@ DENIED_CODES = frozenset(
         "InvalidSecurity",
     }
 )
+LOG_AREA = "_lakestream/"  # the prefix every process reads and writes: the budget's
 S3_BACKOFF = Backoff(first=0.1, cap=2.0, jitter=0.5)  # waits of 0.05–0.1 s, doubling to 1–2 s
 
 
@@ -66,6 +68,9 @@ class S3Base:
     'us-east-1'), `max_pool_connections` (64), `connect_timeout` (5 s), `read_timeout` (60 s),
     `max_attempts` (50) and `retry_timeout` (10 s) for our retries: a call gives up when either runs
     out, so with the defaults it is the time (a throttled store is retried for the full 10 s).
+    `get_rate` (5,500) and `put_rate` (3,500): this process's requests per second on the stream's
+    `_lakestream/` prefix (and its LISTs and DELETEs), halved on throttling and given back slowly
+    (`_budget.RequestBudget`; one budget per process and stream, `budget` to give one's own).
     `clock`, `sleep` and `rng` time and space those retries (tests inject fakes). The client is
     created on first use; `aclose()` releases it (a later call opens a new one). A client's store
     turns these options into its own configuration in `_configure`.
@@ -86,6 +91,9 @@ class S3Base:
         read_timeout: float = 60.0,
         max_attempts: int = 50,
         retry_timeout: float = 10.0,
+        get_rate: float = 5500.0,
+        put_rate: float = 3500.0,
+        budget: RequestBudget | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
         rng: RandomSource | None = None,
@@ -101,6 +109,7 @@ class S3Base:
         self.max_attempts = max(1, max_attempts)
         self.retry_timeout = retry_timeout
         self.clock, self.sleep, self.rng = clock, sleep, rng
+        self.budget = budget or budget_for(self.url, get_rate, put_rate)
         # A guess for messages until the client resolves it (both clients read the same variables).
         self.endpoint_url: str = (
             endpoint_url
@@ -187,11 +196,20 @@ class S3Base:
         start = self.clock()
         n = 0
 
+        budgeted = key is None or key.startswith(LOG_AREA)
+
         async def counted() -> T:
             nonlocal n
             n += 1
+            if budgeted:
+                await self.budget.acquire(op)
             self.requests += 1
-            return await once()
+            try:
+                return await once()
+            except Exception as e:
+                if budgeted and transient(e):
+                    self.budget.throttled(op)  # slow down rather than retry into a throttled prefix
+                raise
 
         try:
             return await retry(
