@@ -172,7 +172,7 @@ class Producer:
         self._rng = self.manifest.rng  # jitter: seeded where the manifest's is
         self._seen = -1  # the log version up to which this producer looked for its own commits
         self._tail_head = -1  # the head the tail hint last said
-        self._moved_at = 0.0  # when the log was last seen to move (or this producer started waiting)
+        self._moved_at = 0.0  # when a combiner was last seen at work (or this producer started waiting)
         self._combining_until = -math.inf  # a combiner that took over stays one until then
         self._leader: tuple[int, bool] = (-1, False)  # (version, whether this producer leads there)
         self._inflight = 0
@@ -669,15 +669,18 @@ class Producer:
 
     async def _look(self) -> None:
         """Did declared TGBs land? The tail hint says whether the log moved; the versions since
-        `_seen` say what landed. A log that stands still for TAKEOVER_AFTER, or declared TGBs
-        that wait much longer than that while it moves, make this producer catch up with the
+        `_seen` say what landed. No combiner at work for TAKEOVER_AFTER (no group record while
+        other records, such as producers finishing, may move the log), or declared TGBs that
+        wait much longer than that while combiners work, make this producer catch up with the
         whole log (to learn why: fenced, or sealed for a mix no longer in force) and commit."""
         tail = await self.manifest.read_tail()
         if tail is not None and tail[0] > self._seen:
             self._tail_head = max(self._tail_head, tail[1])
             await self._scan(tail[0])
+        declared = [t.declared_at for t in self._pending if t.declared_at is not None]
+        if not declared:
             return
-        oldest = min((t.declared_at for t in self._pending if t.declared_at is not None), default=self._clock())
+        oldest = min(declared)
         waited = self._clock() - max(oldest, self._moved_at)
         if waited > TAKEOVER_AFTER * (1 + self._rng.random()) or self._clock() - oldest > 5 * TAKEOVER_AFTER:
             await self._take_over()
@@ -700,11 +703,13 @@ class Producer:
         for i, data in enumerate(datas):
             if data is None:
                 break  # not there (a hint ahead of the log, or a version not visible yet)
-            self._seen, self._moved_at = first + i, self._clock()
+            self._seen = first + i
             try:
                 record = decode_record(data)
             except RecordError:
                 continue  # a no-op for everyone
+            if isinstance(record, GroupRecord):
+                self._moved_at = self._clock()  # a combiner is at work
             for r in record.records if isinstance(record, GroupRecord) else (record,):
                 if isinstance(r, CommitRecord) and r.producer == self.id and r.epoch == self.epoch:
                     behind |= not self._landed(r)
@@ -738,9 +743,12 @@ class Producer:
 
     async def _take_over(self) -> None:
         await self._catch_up()
+        ready = self._ready()
+        if not any(t.declared_at is not None for t in ready):
+            return  # what was declared landed (the tail hint had not said so yet)
         for t in self._pending:  # declared again at the first one not committed (intents may be gone)
             t.declared_at = None
-        await self._declare(self._ready())
+        await self._declare(ready)
         await self._combine_round(took_over=True)
 
     async def _combining(self) -> None:
