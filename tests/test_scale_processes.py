@@ -48,16 +48,12 @@ def wait_all(procs: list[subprocess.Popen[bytes]], logs: list[Path], deadline: f
         except subprocess.TimeoutExpired:
             rc = None
         if rc != 0:
-            for p in procs:
-                p.kill()
             pytest.fail(f"{log.name}: {'hung' if rc is None else f'exit {rc}'}\n{log.read_text()[-3000:]}")
 
 
 def wait_file(path: Path, procs: list[subprocess.Popen[bytes]], logs: list[Path], deadline: float) -> None:
     while not path.exists():
         if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-            for p in procs:
-                p.kill()
             pytest.fail(f"{path.name} not written\n" + "\n".join(f"{g.name}: {g.read_text()[-2000:]}" for g in logs))
         time.sleep(0.1)
 
@@ -85,17 +81,23 @@ async def test_128_combining_producers_and_16_readers_at_s3_latencies_keep_up_ex
         producer_logs.append(tmp_path / f"produce{i}.log")
         producers.append(spawn("produce", args, producer_logs[-1]))
     children, logs = producers + readers, producer_logs + reader_logs
-    for i in range(PROCS):  # every producer registered
-        wait_file(tmp_path / f"ready{i}", children, logs, time.monotonic() + 60)
-    registered = time.monotonic()
-    t0 = time.time() + 0.5
-    go.write_text(repr(t0))
-    wait_all(producers, producer_logs, time.monotonic() + DURATION + 120)  # 128 finish records take a while
-    produced = time.monotonic()
-    state = await lakestream.load_state(url)
-    stop.write_text(str(state.head))
-    wait_all(readers, reader_logs, time.monotonic() + 30)
-    caught_up = time.monotonic()
+    try:
+        for i in range(PROCS):  # every producer registered
+            wait_file(tmp_path / f"ready{i}", children, logs, time.monotonic() + 60)
+        registered = time.monotonic()
+        t0 = time.time() + 0.5
+        go.write_text(repr(t0))
+        wait_all(producers, producer_logs, time.monotonic() + DURATION + 120)  # 128 finish records take a while
+        produced = time.monotonic()
+        state = await lakestream.load_state(url)
+        stop.write_text(str(state.head))
+        wait_all(readers, reader_logs, time.monotonic() + 30)
+        caught_up = time.monotonic()
+    finally:  # a failure leaves no child behind
+        for p in children:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
     reports = [json.loads((tmp_path / f"produce{i}.json").read_text()) for i in range(PROCS)]
     put = {pid: r["put"] for rep in reports for pid, r in rep["producers"].items()}
