@@ -3,6 +3,8 @@
     producer: upload segment -> put intent (_lakestream/intents/<producer>/<epoch>-<seq>.json)
     combiner: list intents -> get the new ones -> group record of every valid one -> put version -> delete them
 
+(A register intent, `r-<token>.json`, says all it has to say in its key; its body is not read.)
+
 One log version then carries many producers' TGBs (and registers), so the log's few versions a
 second at S3's latencies carry any number of TGBs, and a producer never reads the log to commit:
 it learns that its TGBs landed from the tail hint and the versions written since it declared them
@@ -49,6 +51,11 @@ class Combiner:
             del self._intents[key]  # committed and deleted by another combiner
         done = [k for k in listed if self._done(m.state, k)]
         new = [k for k in listed if k not in self._intents and parse_intent_key(k) is not None and k not in done]
+        for key in new:
+            parsed = parse_intent_key(key)
+            if parsed is not None and len(parsed) == 2:  # a register is all in its key: no GET
+                self._intents[key] = RegisterRecord(parsed[0], 1, parsed[1], now)
+        new = [k for k in new if k not in self._intents]
         bad: list[str] = []
         limiter = anyio.CapacityLimiter(FETCH_CONCURRENCY)
 

@@ -182,7 +182,7 @@ class Producer:
         self._last_round = 0  # TGBs the last combine round committed
         self._looks = 0  # looks in a row that found none of this producer's TGBs landed
         self._caught_up_at = -math.inf
-        self._moved_at = 0.0  # when the log was last seen to move (or this producer started waiting)
+        self._moved_at = 0.0  # when a combiner was last seen at work (or this producer started waiting)
         self._combining_until = -math.inf  # a combiner that took over stays one until then
         self._leader: tuple[int, bool] = (-1, False)  # (version, whether this producer leads there)
         self._inflight = 0
@@ -236,12 +236,14 @@ class Producer:
         key = register_intent_key(self.id, self._token)
         data = encode_record(RegisterRecord(self.id, 1, self._token, self._wall()))
         await retry(lambda: self.store.put(key, data), attempts=None)
-        # With no producer at work in the stream there is no combiner to wait for.
+        # With no producer at work in the stream there is no combiner to wait for: one of those
+        # registering takes over soon (a random wait spreads those that start together).
         alone = not any(p.token and not p.finished for p in self.manifest.state.producers.values())
-        self._moved_at = -math.inf if alone else self._clock()
-        interval = LOOK_EVERY
+        self._moved_at = self._clock() - (TAKEOVER_AFTER * (1 + self._rng.random()) if alone else 0.0)
+        interval = LOOK_FIRST
         while (p := self.manifest.state.producers.get(self.id)) is None or p.token != self._token:
             await anyio.sleep(interval * (0.5 + self._rng.random()))
+            interval = min(interval * 1.5, LOOK_MAX)  # many register at once: look less often
             tail = await self.manifest.read_tail()
             if tail != self._tail:
                 self._tail, self._moved_at = tail, self._clock()  # a combiner is at work
@@ -685,20 +687,25 @@ class Producer:
             t.declared_at = now
 
     async def _look(self) -> None:
-        """Did declared TGBs land? The tail hint says whether the log moved (or a combiner is at
-        work: its beat); the versions since `_seen` say what landed. A tail hint that stands still
-        for TAKEOVER_AFTER (no combiner at work) makes this producer commit itself, and what the
-        others declared; TGBs declared long ago while a combiner works make it catch up with the
-        whole log once, to learn why (fenced, or sealed for a mix no longer in force)."""
+        """Did declared TGBs land? The tail hint says where the log ends (and its beat that a
+        combiner holds declared TGBs back); the versions since `_seen` say what landed. No
+        combiner at work for TAKEOVER_AFTER (no group record and no beat, while other records,
+        such as producers finishing, may move the log) makes this producer commit itself, and
+        what the others declared; TGBs declared long ago while a combiner works make it catch up
+        with the whole log once, to learn why (fenced, or sealed for a mix no longer in force)."""
         tail = await self.manifest.read_tail()
         now = self._clock()
-        if tail != self._tail:
-            self._tail, self._moved_at = tail, now
+        if tail is not None and (self._tail is None or tail[2] != self._tail[2]):
+            self._moved_at = now  # a combiner's beat
+        self._tail = tail
         if tail is not None and tail[0] > self._seen:
             self._tail_head = max(self._tail_head, tail[1])
             await self._scan(tail[0])
+        declared = [t.declared_at for t in self._pending if t.declared_at is not None]
+        if not declared:
             return
-        oldest = min((t.declared_at for t in self._pending if t.declared_at is not None), default=now)
+        oldest = min(declared)
+        now = self._clock()
         if now - max(oldest, self._moved_at) > TAKEOVER_AFTER * (1 + self._rng.random()):
             await self._take_over()
         elif now - max(oldest, self._caught_up_at) > 5 * TAKEOVER_AFTER:
@@ -725,11 +732,13 @@ class Producer:
         for i, data in enumerate(datas):
             if data is None:
                 break  # not there (a hint ahead of the log, or a version not visible yet)
-            self._seen, self._moved_at = first + i, self._clock()
+            self._seen = first + i
             try:
                 record = decode_record(data)
             except RecordError:
                 continue  # a no-op for everyone
+            if isinstance(record, GroupRecord):
+                self._moved_at = self._clock()  # a combiner is at work
             for r in record.records if isinstance(record, GroupRecord) else (record,):
                 if isinstance(r, CommitRecord) and r.producer == self.id and r.epoch == self.epoch:
                     behind |= not self._landed(r)
@@ -763,10 +772,12 @@ class Producer:
 
     async def _take_over(self) -> None:
         await self._catch_up()
+        ready = self._ready()
+        if not any(t.declared_at is not None for t in ready):
+            return  # what was declared landed (the tail hint had not said so yet)
         for t in self._pending:  # declared again at the first one not committed (intents may be gone)
             t.declared_at = None
-        if ready := self._ready():
-            await self._declare(ready)
+        await self._declare(ready)
         await self._combine_round(took_over=True)
 
     async def _combining(self) -> None:

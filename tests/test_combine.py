@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import time
 from collections import Counter
 
 import anyio
@@ -13,7 +15,10 @@ from hypothesis import strategies as st
 import lakestream
 from lakestream import Config, State
 from lakestream import _decisions as decisions
+from lakestream import _producer as producer_module
+from lakestream._combine import Combiner
 from lakestream._layout import intent_key
+from lakestream._manifest import Manifest
 from lakestream._records import (
     CheckpointRecord,
     CommitRecord,
@@ -236,3 +241,67 @@ async def test_a_combining_producer_that_crashed_resumes_exactly_once_and_a_zomb
         await zombie.aclose()
     assert await keys_read(store, 1) == Counter({f"p-{i}": 1 for i in range(10)})
     assert (await lakestream.verify(store)).ok
+
+
+async def test_declared_tgbs_land_while_other_records_move_the_log_and_no_combiner_is_at_work() -> None:
+    # "d" commits itself and hashes below "c", so "c" takes it for the combiner: none is at work
+    # while d's commits (or producers finishing) keep moving the log. c takes over all the same.
+    assert hashlib.sha256(b"d").digest() < hashlib.sha256(b"c").digest()
+    store = MemoryStore()
+    await lakestream.create(store, world_size=1, global_batch=2)
+    offset = 0.0
+    async with lakestream.open_producer(store, "d") as d:
+        await d.put({"__key__": "d-0", "txt": "x"}, cursor=1)  # registered and at work
+        c = lakestream.Producer(store, "c", combine=True, clock=lambda: time.monotonic() + offset)
+        await c.__aenter__()  # waits for a combiner, takes over, stays one for a while
+        try:
+            offset += producer_module.STICKY + 1  # ... which is over
+            stop = anyio.Event()
+
+            async def commit_d() -> None:
+                i = 1
+                while not stop.is_set():
+                    await d.put({"__key__": f"d-{i}", "txt": "x"}, cursor=i + 1)
+                    await d.flush()
+                    await anyio.sleep(0.05)
+                    i += 1
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(commit_d)
+                await c.put({"__key__": "c-0", "txt": "x"}, cursor=1)
+                await c.put({"__key__": "c-1", "txt": "x"}, cursor=2)
+                with anyio.fail_after(4 * producer_module.TAKEOVER_AFTER):
+                    await c.flush()
+                stop.set()
+            await c.close()
+        finally:
+            await c.aclose()
+    assert (await lakestream.load_state(store)).producers["c"].seq == 0
+    assert (await lakestream.verify(store)).ok
+
+
+async def test_a_producer_taking_over_commits_nothing_when_what_it_declared_landed_unseen() -> None:
+    # A combiner commits c's TGB without writing the tail hint: c sees the log stand still, takes
+    # over, and its catch-up finds that TGB committed; nothing is left to declare.
+    assert hashlib.sha256(b"d").digest() < hashlib.sha256(b"c").digest()
+    store = MemoryStore()
+    await lakestream.create(store, world_size=1, global_batch=2)
+    offset = 0.0
+    async with lakestream.open_producer(store, "d"):  # registered, at work, and the combiner c waits for
+        c = lakestream.Producer(store, "c", combine=True, clock=lambda: time.monotonic() + offset)
+        await c.__aenter__()
+        try:
+            offset += producer_module.STICKY + 1
+            await c.put({"__key__": "c-0", "txt": "x"}, cursor=1)
+            await c.put({"__key__": "c-1", "txt": "x"}, cursor=2)
+            with anyio.fail_after(10):
+                while not await store.list("_lakestream/intents/c/"):
+                    await anyio.sleep(0.01)
+            assert (await Combiner(Manifest(store)).round(None, time.time())) is not None
+            with anyio.fail_after(4 * producer_module.TAKEOVER_AFTER):
+                await c.flush()
+            await anyio.sleep(0.5)
+            await c.close()  # raises what went wrong in the background
+        finally:
+            await c.aclose()
+    assert (await lakestream.load_state(store)).producers["c"].seq == 0
