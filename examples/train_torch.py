@@ -208,7 +208,8 @@ def train(a: argparse.Namespace) -> int:
                         "dataset": dataset.state_dict(), "rng": torch.get_rng_state(),
                     }  # fmt: skip
                     save_atomic(state, ckpt_dir / f"ckpt-{step:09d}.pt")
-                hook(step)  # rank 0 records it in the stream; a no-op elsewhere
+                hook(step)  # rank 0 records it in the stream, in the background; a no-op elsewhere
+    hook.wait()  # every checkpoint recorded (raises a failure to record one)
     dist.barrier()
     # Tear down in this order. Destroying a gloo process group joins its worker thread while
     # holding the GIL; if that thread is still freeing a finished collective whose tensor's Python

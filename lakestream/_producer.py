@@ -78,6 +78,7 @@ COMBINE_FULL = 4
 # A producer first looks for its declared TGBs after LOOK_FIRST, then every LOOK_EVERY, less often
 # (doubling up to LOOK_MAX) while looks find nothing of its own landed (back-pressure holds them).
 LOOK_FIRST, LOOK_EVERY, LOOK_MAX = 0.5, 0.25, 2.0
+COMBINE_SNAPSHOT_EVERY = 64  # versions between a combiner's snapshots (at most the stream's snapshot_every)
 BEAT_EVERY = 1.0  # a combiner that commits nothing while TGBs are declared says so this often
 TAKEOVER_AFTER = 2.0
 STICKY = 30.0
@@ -290,7 +291,7 @@ class Producer:
             await self._seal()
         await self.flush()
         if self.combine:
-            await self.manifest.refresh()
+            await self._follow_to_tail()
         result = await self.manifest.append(
             lambda st, _: decisions.drop_source(
                 st, source, from_step=st.head + 1, now=self._wall(), url=self.manifest.url
@@ -507,7 +508,7 @@ class Producer:
     async def _finish(self, leftover: tuple[decisions.PendingTgb, tuple[int, int, int]] | None) -> None:
         tgb, cursors = leftover if leftover is not None else (None, None)
         if self.combine:
-            await self.manifest.refresh()  # a combining producer does not follow the log
+            await self._follow_to_tail()  # a combining producer does not follow the log
 
         def decide(state: State, _: int) -> Record | None:
             return decisions.finish(state, self.id, self.epoch, tgb, cursors, self._wall(), self.manifest.url)
@@ -760,10 +761,20 @@ class Producer:
         self._committed_through(last, r.tgbs[-1].cursor)
         return True
 
+    async def _follow_to_tail(self) -> None:
+        """Bring the view of the log to its tail: from the newest snapshot when the tail hint says
+        the view is far behind (combiners snapshot every COMBINE_SNAPSHOT_EVERY versions), else by
+        reading the versions since."""
+        tail = await self.manifest.read_tail()
+        if tail is not None and tail[0] - self.manifest.state.version > 2 * COMBINE_SNAPSHOT_EVERY:
+            await self.manifest.load()
+        else:
+            await self.manifest.refresh()
+
     async def _catch_up(self) -> None:
         """Follow the whole log to its tail; what landed, whether this incarnation is fenced, and
         whether a declared TGB can no longer land (MixChanged) all come from the state."""
-        await self.manifest.refresh()
+        await self._follow_to_tail()
         self._seen, self._caught_up_at = max(self._seen, self.manifest.state.version), self._clock()
         self._drop_committed(self.manifest.state)
         waiting = [decisions.PendingTgb(t.seq, t.ref) for t in self._ready() if t.ref is not None]
@@ -961,7 +972,8 @@ class Producer:
             return
         if tail:
             self._tg.start_soon(self._write_tail, version, self.manifest.state.head)
-        if version % self.config.snapshot_every == 0:
+        every = min(self.config.snapshot_every, COMBINE_SNAPSHOT_EVERY) if self.combine else self.config.snapshot_every
+        if version % every == 0:
             self._tg.start_soon(self._snapshot, self.manifest.state.copy())
 
     async def _write_tail(self, version: int, head: int, beat: int = 0) -> None:

@@ -73,7 +73,7 @@ import torch.utils.data
 
 import lakestream
 
-__all__ = ["MountDataset", "StreamDataset", "checkpoint_hook", "resolve_rank"]
+__all__ = ["CheckpointHook", "MountDataset", "StreamDataset", "checkpoint_hook", "resolve_rank"]
 
 NPY_MAGIC = b"\x93NUMPY"
 META_NAME = "_meta.json"
@@ -691,23 +691,87 @@ def _read_npy_column(paths: list[str]) -> np.ndarray | None:
 # -- checkpoints ---------------------------------------------------------------------------------
 
 
-def checkpoint_hook(url: str | os.PathLike[str], rank: int | None = None) -> Callable[..., bool]:
-    """`hook(step, checkpoint_id=None) -> bool` that records, on rank 0, that the trainer's
-    checkpoint at `step` is durable (`lakestream.checkpoint`, run synchronously). Other ranks: a
-    no-op returning False.
+class CheckpointHook:
+    """`hook(step, checkpoint_id=None, *, wait=False) -> bool`: records, on rank 0, that the
+    trainer's checkpoint at `step` is durable (`lakestream.checkpoint`). Other ranks: a no-op
+    returning False. Made by `checkpoint_hook`.
+
+    Rank 0 records in a background thread, on one view of the log that it follows from call to
+    call (no reload of the log each time), so a training step is held up for no store request:
+    the call returns True at once. Checkpoints are recorded in the order asked; a failure is
+    raised by the next call or by `wait()`. `wait=True` (or `wait()`) waits until every
+    checkpoint asked for is recorded; with `wait=True` the call returns True if recorded, False if
+    it already was. A throttled or unreachable store is retried for as long as it takes.
+    """
+
+    def __init__(self, url: str, rank: int) -> None:
+        self.url, self.rank = url, rank
+        self._portal_cm: Any = None
+        self._portal: Any = None
+        self._pending: list[Future[bool]] = []
+        self._lock = threading.Lock()
+        self._view: tuple[Any, Any] | None = None  # (store, Manifest), opened on first use
+        self._order: anyio.Lock | None = None
+
+    def __call__(self, step: int, checkpoint_id: str | None = None, *, wait: bool = False) -> bool:
+        if self.rank != 0:
+            return False
+        self._raise_failed()
+        cid = checkpoint_id if checkpoint_id is not None else f"step-{step}"
+        with self._lock:
+            if self._portal is None:
+                self._portal_cm = anyio.from_thread.start_blocking_portal()
+                self._portal = self._portal_cm.__enter__()
+                weakref.finalize(self, self._portal_cm.__exit__, None, None, None)
+            future: Future[bool] = self._portal.start_task_soon(self._record, cid, step)
+            self._pending.append(future)
+        if not wait:
+            return True
+        self.wait()
+        return future.result()
+
+    def wait(self) -> None:
+        """Wait until every checkpoint asked for is recorded; raise the first failure."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        failed = None
+        for f in pending:
+            if (e := f.exception()) is not None and failed is None:
+                failed = e
+        if failed is not None:
+            raise failed
+
+    def _raise_failed(self) -> None:
+        with self._lock:
+            done = [f for f in self._pending if f.done()]
+            self._pending = [f for f in self._pending if not f.done()]
+        for f in done:
+            if (e := f.exception()) is not None:
+                raise e
+
+    async def _record(self, checkpoint_id: str, step: int) -> bool:
+        from ._lifecycle import checkpoint
+        from ._manifest import Manifest
+
+        if self._order is None:
+            self._order = anyio.Lock()  # fair: the portal starts tasks, and they queue, in the order asked
+        async with self._order:
+            if self._view is None:
+                store = lakestream.open_store(self.url)
+                manifest = Manifest(store, retries=None)
+                await manifest.load()
+                self._view = (store, manifest)
+            store, manifest = self._view
+            return await checkpoint(store, checkpoint_id, step, manifest=manifest)
+
+
+def checkpoint_hook(url: str | os.PathLike[str], rank: int | None = None) -> CheckpointHook:
+    """The hook that records, on rank 0, that the trainer's checkpoint at `step` is durable
+    (`CheckpointHook`: in the background; other ranks: a no-op returning False).
 
     Call it after the trainer's own checkpoint is durable (written, fsynced, renamed). `step` is
-    the last step the checkpoint has trained on (the last item's `step`); the id
-    defaults to `step-<step>`. True if recorded, False if it already was. `rank`: see `resolve_rank`.
-    Must not be called from a thread running an event loop.
+    the last step the checkpoint has trained on (the last item's `step`); the id defaults to
+    `step-<step>`. `rank`: see `resolve_rank`.
     """
-    target = os.fspath(url)
     r, _ = resolve_rank(rank)
-
-    def hook(step: int, checkpoint_id: str | None = None) -> bool:
-        if r != 0:
-            return False
-        cid = checkpoint_id if checkpoint_id is not None else f"step-{step}"
-        return anyio.run(lakestream.checkpoint, target, cid, step)
-
-    return hook
+    return CheckpointHook(os.fspath(url), r)

@@ -428,10 +428,15 @@ def test_checkpoint_hook_records_on_rank_0_only(tmp_path: Path) -> None:
     assert checkpoint_hook(url, rank=1)(1) is False
     assert anyio.run(lakestream.load_state, url).checkpoints == []
     hook = checkpoint_hook(url, rank=0)
-    assert hook(1) is True
-    assert hook(1) is False  # already recorded
+    assert hook(1) is True  # at once: recorded in the background
+    assert hook(1, wait=True) is False  # already recorded
     assert hook(2, "mine") is True
+    hook.wait()
     assert [(c.id, c.step) for c in anyio.run(lakestream.load_state, url).checkpoints] == [("step-1", 1), ("mine", 2)]
+    hook(0)  # older than the newest: fails in the background, raised by the next call or wait()
+    with pytest.raises(ValueError, match="older than the newest checkpoint"):
+        hook.wait()
+    assert hook(3, wait=False) is True
 
 
 def test_decode_file() -> None:
