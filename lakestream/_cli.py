@@ -33,6 +33,7 @@ from ._errors import LakestreamError
 from ._errors import first_error as _first_error
 from ._pacing import DacPolicy
 from ._pipeline import ProduceReport, SyntheticSource, produce
+from ._segment import FieldInfo
 from ._tasks import task_group
 from ._text import safe as _safe
 from ._top import Progress, progress
@@ -56,6 +57,7 @@ examples:
   lakestream produce file:///data/run1 --producer-id shard-0 --from-dir /data/shard-0   # resumable
   lakestream read file:///data/run1 --rank 3 --out /tmp/rank3 --from-step 0 --to-step 99
   lakestream status file:///data/run1
+  lakestream inspect file:///data/run1 --step 0 --rank 3
   lakestream verify s3://bucket/run1 --json
   lakestream demo                        # producers and readers on a temporary local stream
 """
@@ -316,6 +318,21 @@ def _parser() -> argparse.ArgumentParser:
                    help="last step, inclusive; waits for it to commit (default: the head at the start)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object per step, and a summary, one per line")
     _metrics_options(p)
+
+    p = sub.add_parser("inspect", help="show each sample of a step: its fields' types, dtypes, shapes and sizes",
+                       description=(
+        "Show the samples of committed step S, of rank R or of every rank in order: one line per sample with "
+        "its rank, its key and each field as NAME:TYPE SIZE, where TYPE is how the field is stored: bytes, "
+        "text, json, npy (a .npy file: [DTYPE SHAPE] follows) or array (a row of an array block: [DTYPE SHAPE] "
+        "follows; its size is the array's data, no .npy header). Only the slices of the ranks shown are read, "
+        "their checksums checked; nothing is decoded but .npy headers. A summary goes to stderr. With --json, "
+        "one JSON object per sample: step, rank, key and fields, each with name, type, bytes and for arrays "
+        "dtype and shape."
+    ))  # fmt: skip
+    p.add_argument("url", help=url_help)
+    p.add_argument("--step", type=_nonneg, required=True, metavar="S", help="a committed step")
+    p.add_argument("--rank", type=_nonneg, default=None, metavar="R", help="only this rank (default: every rank)")
+    p.add_argument("--json", action="store_true", help="one JSON object per sample, one per line")
 
     p = sub.add_parser("pack", help="pack the held leftovers now, as a producer of its own", description=(
         "A producer whose source ends while others of the stream are still producing holds back its partial "
@@ -735,6 +752,50 @@ async def _show_step(a: argparse.Namespace, out: Path | None, batch: lakestream.
         print(f"step {batch.step}: {len(batch)} samples ({batch.nbytes} bytes) {shown}")
 
 
+async def _inspect(a: argparse.Namespace) -> int:
+    async with lakestream.open_reader(a.url, None, publish_consumed=False) as r:
+        state = r.state
+        if a.step < state.first_step:
+            raise lakestream.StepUnavailable(
+                f"{a.url}: step {a.step} was reclaimed (first readable step {state.first_step})"
+            )
+        entry = state.step(a.step)
+        if entry is None:
+            raise lakestream.StepUnavailable(
+                f"{a.url}: step {a.step} is not committed ({_steps(state.first_step, state.head)})"
+            )
+        ranks = range(state.world_at(a.step)) if a.rank is None else [a.rank]
+        n = nbytes = 0
+        for rank in ranks:
+            for key, fields in await r.describe_rank(entry, rank):
+                n += 1
+                nbytes += sum(f.nbytes for f in fields)
+                _show_sample(a, rank, key, fields)
+    if not a.json:
+        which = f"rank {a.rank}" if a.rank is not None else f"{len(ranks)} ranks"
+        print(f"step {a.step}: {n} samples of {which}, {nbytes} bytes of fields", file=sys.stderr)
+    return 0
+
+
+def _show_sample(a: argparse.Namespace, rank: int, key: str, fields: list[FieldInfo]) -> None:
+    """What `inspect` prints of one sample."""
+    if a.json:
+        described: list[dict[str, Any]] = []
+        for f in fields:
+            d: dict[str, Any] = {"name": f.name, "type": f.kind}
+            if f.dtype is not None and f.shape is not None:
+                d |= {"dtype": str(f.dtype), "shape": list(f.shape)}
+            described.append(d | {"bytes": f.nbytes})
+        _print_json({"step": a.step, "rank": rank, "key": key, "fields": described})
+        return
+    shown = []
+    for f in fields:
+        array = f" {'x'.join(map(str, f.shape)) or 'scalar'}" if f.shape is not None else ""
+        kind = f"{f.kind}[{f.dtype}{array}]" if f.dtype is not None else f.kind
+        shown.append(f"{_safe(f.name, escape=',')}:{kind} {f.nbytes} B")
+    print(f"rank {rank}  {_safe(key, escape=' ')}  {', '.join(shown)}")
+
+
 async def _checkpoint(a: argparse.Namespace) -> int:
     done = await lakestream.checkpoint(a.url, a.id, a.step)
     if a.json:
@@ -1003,7 +1064,7 @@ def _umount(a: argparse.Namespace) -> int:
 COMMANDS = {
     "init": _init, "produce": _produce, "read": _read, "status": _status, "pack": _pack, "verify": _verify, "demo": _demo,
     "checkpoint": _checkpoint, "release": _release, "rewind": _rewind, "reshape": _reshape, "mix": _mix, "gc": _gc,
-    "top": _top,
+    "top": _top, "inspect": _inspect,
 }  # fmt: skip
 SYNC_COMMANDS = {"mount": _mount, "umount": _umount, "fleet": _fleet, "dev-s3": _dev_s3}
 

@@ -29,10 +29,12 @@ from ._manifest import Manifest
 from ._retry import retry
 from ._segment import (
     ChecksumMismatch,
+    FieldInfo,
     FieldRef,
     check_slice,
     decode_columns,
     decode_part,
+    describe_part,
     expand_slice,
     parse_slice,
 )
@@ -454,6 +456,33 @@ class Reader:
             parts.append(raw.data[start:end])  # only this rank's bytes are kept
             size += end - start
         return RawSlice(entry, rank, b"".join(parts), files)
+
+    async def describe_rank(self, entry: Step, rank: int) -> list[tuple[str, list[FieldInfo]]]:
+        """`rank`'s samples of a committed step (see `plan`), each as its key and its fields described
+        (`describe_part`): one range GET per stored slice they are in, checksums checked, nothing
+        decoded but `.npy` headers."""
+        samples: list[tuple[str, list[FieldInfo]]] = []
+        for i, lo, hi in self.plan(entry, rank):
+            data = await self._get_slice(entry, i)
+            try:
+                n, got = await anyio.to_thread.run_sync(self._describe, entry, i, data, lo, hi)
+            except ChecksumMismatch:
+                self._metrics.checksum_failed()
+                raise
+            if n != entry.ranks[i].samples:
+                raise CorruptData(
+                    f"{self._where(entry, i)}: the slice holds {n} samples, the manifest says {entry.ranks[i].samples}"
+                )
+            samples += got
+        return samples
+
+    def _describe(
+        self, entry: Step, rank: int, data: bytes, lo: int, hi: int
+    ) -> tuple[int, list[tuple[str, list[FieldInfo]]]]:
+        where = self._where(entry, rank)
+        if self.verify:
+            check_slice(data, entry.ranks[rank].digest, where, entry.checksum)
+        return describe_part(data, where, lo, hi)
 
     async def fetch_raw(self, entry: Step, rank: int) -> RawSlice:
         """Any rank's slice of a committed step, checked and indexed but not decoded."""

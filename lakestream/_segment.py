@@ -43,6 +43,7 @@ __all__ = [
     "DEFAULT_CHECKSUM",
     "ChecksumMismatch",
     "EncodedSample",
+    "FieldInfo",
     "FieldRef",
     "SliceIndex",
     "check_slice",
@@ -50,11 +51,13 @@ __all__ = [
     "decode_columns",
     "decode_part",
     "decode_slice",
+    "describe_part",
     "dump_json",
     "encode_sample",
     "encode_segment",
     "expand_slice",
     "index_slice",
+    "npy_info",
     "parse_slice",
     "validate_name",
 ]
@@ -66,6 +69,7 @@ _LEN = struct.Struct("<I")
 ARRAY_KINDS = frozenset("biufc")  # dtypes stored as blocks: bool, integers, floats, complex
 _DTYPE = re.compile(r"[<>|][biufc][0-9]{1,2}")
 MAX_NDIM = 32
+NPY_MAX_HEADER = 10_000  # bytes of a .npy field's header read, at most
 
 
 class _Hash(Protocol):
@@ -118,6 +122,22 @@ class FieldRef:
     tag: str
     offset: int
     length: int
+
+
+@dataclass(frozen=True, slots=True)
+class FieldInfo:
+    """One field of a sample as stored (`describe_part`): its kind (`bytes`, `text`, `json`, `npy`:
+    a `.npy` file, `array`: a row of an array block), for the last two its dtype and shape, and its
+    bytes in the slice (of a row of a block: the array's data, with no `.npy` header)."""
+
+    name: str
+    kind: str
+    nbytes: int
+    dtype: np.dtype[Any] | None = None
+    shape: tuple[int, ...] | None = None
+
+
+KINDS = {"b": "bytes", "s": "text", "j": "json", "n": "npy", "a": "array"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -480,23 +500,30 @@ def decode_value(tag: str, raw: bytes) -> Any:
 
 
 def _read_npy(raw: bytes) -> np.ndarray[Any, Any]:
-    """A `.npy` field (untrusted): its header parsed, its shape checked against the bytes that are
-    really there before anything is allocated (numpy's `read_array` allocates what the header says).
-    ValueError for anything else."""
-    f = io.BytesIO(raw)
+    """A `.npy` field (untrusted), decoded (see `npy_info`). ValueError for anything else."""
+    dtype, shape, fortran, start = npy_info(raw)
+    body = memoryview(raw)[start:]
+    return np.frombuffer(body, dtype=dtype).reshape(shape, order="F" if fortran else "C").copy(order="K")
+
+
+def npy_info(raw: Any) -> tuple[np.dtype[Any], tuple[int, ...], bool, int]:
+    """(dtype, shape, Fortran order, where the data starts) of a `.npy` field (untrusted): its
+    header parsed, its shape checked against the bytes that are really there, nothing allocated
+    (numpy's `read_array` allocates what the header says). ValueError for anything else."""
+    f = io.BytesIO(bytes(raw[: 12 + NPY_MAX_HEADER]))  # magic, version, length, header: no more is read
     fmt = np.lib.format
     try:
         version = fmt.read_magic(f)
         read_header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
-        shape, fortran, dtype = read_header(f, max_header_size=10_000)
+        shape, fortran, dtype = read_header(f, max_header_size=NPY_MAX_HEADER)
     except Exception as e:  # numpy parses the header with ast: SyntaxError, tokenize errors, ...
         raise ValueError(f"not a .npy field ({type(e).__name__}: {e})") from None
     if dtype.hasobject:
         raise ValueError("a .npy field of Python objects")
-    body = memoryview(raw)[f.tell() :]
-    if len(body) != math.prod(shape) * dtype.itemsize:
-        raise ValueError(f"a .npy field of shape {shape} and dtype {dtype} in {len(body)} bytes")
-    return np.frombuffer(body, dtype=dtype).reshape(shape, order="F" if fortran else "C").copy(order="K")
+    start = f.tell()
+    if len(raw) - start != math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"a .npy field of shape {shape} and dtype {dtype} in {len(raw) - start} bytes")
+    return dtype, shape, fortran, start
 
 
 def npy_header(dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
@@ -566,6 +593,40 @@ def decode_part(
             sample[ref.field] = value if raw else decode_value(ref.tag, value)
         except (ValueError, TypeError) as e:
             raise CorruptData(f"{where} key {ref.key!r} field {ref.field!r}: {e}") from None
+    return n, samples
+
+
+def describe_part(
+    data: Any, where: str = "rank slice", lo: int = 0, hi: int | None = None
+) -> tuple[int, list[tuple[str, list[FieldInfo]]]]:
+    """(the number of samples in the slice, samples lo..hi each as its key and its fields described).
+
+    Nothing is decoded but the header of each `.npy` field, checked against the field's length.
+    The checksum is not checked here (see `check_slice`). Raises CorruptData naming `where` (and
+    the sample key and field, when one is at fault).
+    """
+    view = memoryview(data)
+    index = parse_slice(view, where)
+    samples: list[tuple[str, list[FieldInfo]]] = []
+    n, current, keep = 0, None, False
+    for ref in index.refs:  # a sample's fields are adjacent and keys unique
+        if ref.key != current:
+            current, n = ref.key, n + 1
+            keep = lo < n and (hi is None or n <= hi)
+            if keep:
+                samples.append((ref.key, []))
+        if not keep:
+            continue
+        dtype: np.dtype[Any] | None = None
+        shape: tuple[int, ...] | None = None
+        if ref.tag == "a":
+            dtype, shape = index.blocks[ref.field].dtype, index.blocks[ref.field].shape
+        elif ref.tag == "n":
+            try:
+                dtype, shape, _, _ = npy_info(view[ref.offset : ref.offset + ref.length])
+            except ValueError as e:
+                raise CorruptData(f"{where} key {ref.key!r} field {ref.field!r}: {e}") from None
+        samples[-1][1].append(FieldInfo(ref.field, KINDS[ref.tag], ref.length, dtype, shape))
     return n, samples
 
 

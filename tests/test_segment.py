@@ -21,6 +21,7 @@ from lakestream._segment import (
     decode_part,
     decode_slice,
     decode_value,
+    describe_part,
     encode_sample,
     encode_segment,
     expand_slice,
@@ -170,6 +171,32 @@ def test_a_part_of_a_slice_with_blocks_decodes_as_the_whole_cut(batch: list[dict
         assert len(column) == len(keys)
         assert all(same_value(column[j] if isinstance(column, list) else column[j, ...], w.get(f))
                    for j, w in enumerate(whole[lo:hi]))  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None)
+@given(array_batches(), st.integers(1, 3), layouts, st.integers(0, 9), st.integers(0, 9))
+def test_a_description_says_what_decoding_gives(
+    batch: list[dict], world: int, layout: tuple[str, int], lo: int, hi: int
+) -> None:
+    data, slices, _ = encode_all(batch, world, *layout)
+    for off, length, digest, count in slices:
+        sl = data[off : off + length]
+        blocks = parse_slice(sl).blocks
+        whole = decode_slice(sl, digest, kind=layout[0])[lo:hi]
+        raw = decode_slice(sl, digest, raw=True, kind=layout[0])[lo:hi]
+        n, described = describe_part(sl, "s", lo, hi)
+        assert n == count and [key for key, _ in described] == [w["__key__"] for w in whole]
+        for (_, fields), w, r in zip(described, whole, raw):
+            assert [f.name for f in fields] == [f for f in w if f != "__key__"]
+            for f in fields:
+                value = w[f.name]
+                if isinstance(value, np.ndarray):
+                    assert f.kind == ("array" if f.name in blocks else "npy")
+                    assert f.dtype == value.dtype and f.dtype.str == value.dtype.str and f.shape == value.shape
+                    assert f.nbytes == (value.nbytes if f.name in blocks else len(r[f.name]))
+                    continue
+                kind = "bytes" if isinstance(value, bytes) else "text" if isinstance(value, str) else "json"
+                assert (f.kind, f.dtype, f.shape, f.nbytes) == (kind, None, None, len(r[f.name]))
 
 
 @settings(max_examples=80, deadline=None)
