@@ -22,6 +22,7 @@ GET_OPS = frozenset({"get", "get_range", "list", "head"})  # the rest are PUT-cl
 HALVE_EVERY = 0.1  # seconds
 RECOVER = 0.05  # of the budget, per second without throttling
 FLOOR = 1.0  # requests per second, at least
+MIN_WAIT = 1e-3  # seconds: a wait shorter than the clock's resolution would never end
 
 
 class _Bucket:
@@ -76,7 +77,7 @@ class RequestBudget:
             if b.tokens >= 1:
                 b.tokens -= 1
                 return
-            wait = (1 - b.tokens) / max(b.rate, FLOOR)
+            wait = max((1 - b.tokens) / max(b.rate, FLOOR), MIN_WAIT)
             self.waited += wait
             await self.sleep(wait)
 
