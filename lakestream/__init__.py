@@ -34,6 +34,7 @@ from ._errors import (
     StoreError,
     StoreFull,
     StoreUnavailable,
+    StreamClosed,
     StreamNotFound,
 )
 from ._gc import GcReport
@@ -87,6 +88,7 @@ __all__ = [
     "StoreError",
     "StoreFull",
     "StoreUnavailable",
+    "StreamClosed",
     "StreamNotFound",
     "VerifyReport",
     "checkpoint",
