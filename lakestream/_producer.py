@@ -867,6 +867,7 @@ class Producer:
                 held = self._clock()
                 self.stats.backpressure_waits += 1
             elif self._clock() - self._mark_at >= HOLD_POLL[1]:
+                decisions.check_open(self.manifest.state, self.id, self.manifest.url)  # never room past a close
                 await self._read_mark()
                 if self.combine:  # not following the log: the tail hint says where the head is
                     if (tail := await self.manifest.read_tail()) is not None:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
+from cliutil import describe, run_cli
 
+import lakestream
 from lakestream import StreamClosed
 from lakestream import _decisions as decisions
 from lakestream._layout import segment_key
 from lakestream._records import CommitRecord, RegisterRecord, TgbRef, encode_record
 from lakestream._state import Config, State
+from lakestream._store import FileStore
 
 
 def pending(seqs: range) -> list[decisions.PendingTgb]:
@@ -66,3 +70,56 @@ def test_combining_leaves_out_what_is_past_the_close() -> None:
     assert group is not None and state.check(group) is None
     append(state, group)
     assert state.head == 4 and decisions.combine(state, intents, now=0.0) is None
+
+
+# -- the API and the command line --------------------------------------------------------------
+
+
+async def test_a_producer_after_the_close_is_told_and_continues_after_a_reopen(tmp_path) -> None:
+    store = FileStore(tmp_path / "s", durable=False)
+    await lakestream.create(store, world_size=1, global_batch=2)
+    async with lakestream.open_producer(store, "p") as p:
+        for i in range(6):
+            await p.put({"__key__": f"k{i}", "txt": b"x"}, cursor=i + 1)
+    state = await lakestream.close(store)
+    assert state.closed_after == 2 and state.ended
+    assert (await lakestream.close(store, after_step=2)).version == state.version  # closed there already
+    with pytest.raises(ValueError, match="closed already after step 2"):
+        await lakestream.close(store, after_step=3)
+    with pytest.raises(StreamClosed, match="closed after step 2: producer 'p' stops"):
+        async with lakestream.open_producer(store, "p") as p:
+            for i in range(p.cursor, 8):
+                await p.put({"__key__": f"k{i}", "txt": b"x"}, cursor=i + 1)
+    state = await lakestream.load_state(store)
+    assert state.head == 2 and state.producers["p"].cursor == 6 and not state.rejected
+    assert (await lakestream.reopen(store)).closed_after is None
+    async with lakestream.open_producer(store, "p") as p:
+        for i in range(p.cursor, 8):
+            await p.put({"__key__": f"k{i}", "txt": b"x"}, cursor=i + 1)
+    state = await lakestream.load_state(store)
+    assert state.head == 3 and state.producers["p"].cursor == 8
+
+
+def test_close_reopen_status_and_produce_on_the_command_line(tmp_path) -> None:
+    url = f"file://{tmp_path}/s"
+    run_cli("init", url, "--world-size", 1, "--global-batch", 4, check=True)
+    run_cli("produce", url, "--producer-id", "p", "--synthetic", 8, "--sample-size", 8, check=True)
+    r = run_cli("close", url, "--after-step", 2, check=True)
+    assert r.stdout.strip() == f"closed {url} after step 2 (it ends once the head, now step 1, reaches it); " \
+        "nothing past it is committed"  # fmt: skip
+    assert "closed after step 2: ends once the head reaches step 2" in run_cli("status", url, check=True).stdout
+    r = run_cli("produce", url, "--producer-id", "q", "--synthetic", 8, "--sample-size", 8, check=False)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "the stream is closed after step 2: producer 'q' stops" in lines[0], describe(r)
+    assert "closed after step 2: ended" in run_cli("status", url, check=True).stdout
+    assert orjson.loads(run_cli("status", url, "--json", check=True).stdout)["closed_after"] == 2
+    r = run_cli("close", url, check=True)  # at the head, 2: closed there already
+    assert r.stdout.strip() == f"closed {url} after step 2; nothing past it is committed"
+    r = run_cli("close", url, "--after-step", 5, check=False)
+    assert r.stderr.strip().endswith("closed already after step 2; reopen it to close it after step 5"), describe(r)
+    assert (
+        run_cli("reopen", url, check=True).stdout.strip() == f"reopened {url}: producers may commit past the head again"
+    )
+    run_cli("produce", url, "--producer-id", "q", "--synthetic", 8, "--sample-size", 8, check=True)
+    state = orjson.loads(run_cli("status", url, "--json", check=True).stdout)
+    assert state["head_step"] == 3 and state["closed_after"] is None
