@@ -315,7 +315,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", help="write the samples as files under DIR (default: list the keys)")
     p.add_argument("--from-step", type=_nonneg, default=None, help="first step (default: the first readable step)")
     p.add_argument("--to-step", type=_nonneg, default=None,
-                   help="last step, inclusive; waits for it to commit (default: the head at the start)")  # fmt: skip
+                   help="last step, inclusive; waits for it to commit (default: the head at the start, or the "
+                        "last step of a closed stream)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object per step, and a summary, one per line")
     _metrics_options(p)
 
@@ -731,7 +732,8 @@ async def _read(a: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     async with lakestream.open_reader(a.url, a.rank, raw=True, publish_consumed=False) as r:
         start = a.from_step if a.from_step is not None else r.state.first_step
-        stop = a.to_step + 1 if a.to_step is not None else r.state.head + 1
+        end = r.state.head if r.state.closed_after is None else r.state.closed_after  # a closed stream: its close
+        stop = a.to_step + 1 if a.to_step is not None else end + 1
         n = nbytes = 0
         if stop - 1 > r.state.head:
             head = f"the head is step {r.state.head}" if r.state.head >= 0 else "no step is committed yet"

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
+import anyio
 import orjson
 import pytest
-from cliutil import describe, run_cli
+from cliutil import describe, run_cli, spawn_cli
 
 import lakestream
 from lakestream import StreamClosed
@@ -123,3 +126,76 @@ def test_close_reopen_status_and_produce_on_the_command_line(tmp_path) -> None:
     run_cli("produce", url, "--producer-id", "q", "--synthetic", 8, "--sample-size", 8, check=True)
     state = orjson.loads(run_cli("status", url, "--json", check=True).stdout)
     assert state["head_step"] == 3 and state["closed_after"] is None
+
+
+# -- readers end -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def closing(stream_url: str):
+    """A stream of world size 1 and global batch 2 at `stream_url`, and `put(n)`: commit steps up to n - 1."""
+    await lakestream.create(stream_url, world_size=1, global_batch=2)
+
+    async def put(n: int) -> None:
+        async with lakestream.open_producer(stream_url, "p") as p:
+            for i in range(p.cursor or 0, 2 * n):
+                await p.put({"__key__": f"k{i}", "txt": b"x"}, cursor=i + 1)
+
+    return stream_url, put
+
+
+async def test_a_reader_with_no_stop_ends_after_the_close(closing) -> None:
+    url, put = closing
+    await put(2)
+    with anyio.fail_after(60):
+        async with lakestream.open_reader(url, 0, poll_interval=(0.01, 0.05)) as r:
+            got: list[int] = []
+
+            async def read() -> None:
+                async for batch in r.steps(0):
+                    got.append(batch.step)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read)
+                await lakestream.close(url, after_step=4)  # the head is 1: ends once it reaches 4
+                await put(4)
+                await anyio.sleep(0.3)
+                assert got == [0, 1, 2, 3]  # still waiting for step 4
+                with pytest.raises(StreamClosed):
+                    await put(7)  # step 4 lands, the rest does not
+            assert got == [0, 1, 2, 3, 4]
+            assert [b.step async for b in r.steps(3)] == [3, 4]
+            assert [b.step async for b in r.steps(5)] == []
+
+
+def test_read_without_to_step_ends_at_the_close(tmp_path) -> None:
+    url = f"file://{tmp_path}/s"
+    run_cli("init", url, "--world-size", 1, "--global-batch", 4, check=True)
+    run_cli("produce", url, "--producer-id", "p", "--synthetic", 12, "--sample-size", 8, check=True)
+    run_cli("close", url, "--after-step", 3, check=True)
+    reader = spawn_cli("read", url, "--rank", 0, "--json")
+    try:
+        time.sleep(1)
+        assert reader.poll() is None  # waits for step 3
+        run_cli("produce", url, "--producer-id", "q", "--synthetic", 4, "--sample-size", 8, check=True)
+        out, err = reader.communicate(timeout=60)
+    finally:
+        reader.kill()
+    lines = [orjson.loads(line) for line in out.splitlines()]
+    assert [x["step"] for x in lines[:-1]] == [0, 1, 2, 3] and lines[-1]["to_step"] == 3, err
+    assert reader.returncode == 0, err
+
+
+def test_a_stream_dataset_with_no_stop_ends_at_the_close(tmp_path) -> None:
+    torch_ = pytest.importorskip("torch")
+    from lakestream.torch import StreamDataset
+
+    url = f"file://{tmp_path}/s"
+    run_cli("init", url, "--world-size", 1, "--global-batch", 4, check=True)
+    run_cli("produce", url, "--producer-id", "p", "--synthetic", 12, "--sample-size", 8, check=True)
+    run_cli("close", url, check=True)
+    ds = StreamDataset(url, rank=0, world_size=1)
+    assert [item["step"] for item in torch_.utils.data.DataLoader(ds, batch_size=None)] == [0, 1, 2]
+    assert ds.state_dict() == {"next_step": 3}
+    loader = torch_.utils.data.DataLoader(StreamDataset(url, rank=0, world_size=1), batch_size=None, num_workers=2)
+    assert sorted(item["step"] for item in loader) == [0, 1, 2]  # each worker's share ends
