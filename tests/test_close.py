@@ -103,6 +103,22 @@ async def test_a_producer_after_the_close_is_told_and_continues_after_a_reopen(t
     assert state.head == 3 and state.producers["p"].cursor == 8
 
 
+async def test_a_combining_producer_after_the_close_is_told(tmp_path) -> None:
+    """Its declared TGBs are never combined past the close; it finds out when it catches up with the log."""
+    store = FileStore(tmp_path / "s", durable=False)
+    await lakestream.create(store, world_size=1, global_batch=2)
+    async with lakestream.open_producer(store, "p") as p:
+        for i in range(4):
+            await p.put({"__key__": f"k{i}", "txt": b"x"}, cursor=i + 1)
+    await lakestream.close(store, after_step=2)
+    with anyio.fail_after(60), pytest.raises(StreamClosed, match="producer 'q' stops"):
+        async with lakestream.open_producer(store, "q", combine=True) as p:
+            for i in range(10):
+                await p.put({"__key__": f"q{i}", "txt": b"x"}, cursor=i + 1)
+    state = await lakestream.load_state(store)
+    assert state.head == 2 and state.producers["q"].seq == 0 and not state.rejected
+
+
 def test_close_reopen_status_and_produce_on_the_command_line(tmp_path) -> None:
     url = f"file://{tmp_path}/s"
     run_cli("init", url, "--world-size", 1, "--global-batch", 4, check=True)

@@ -301,6 +301,7 @@ class ManifestMachine(RuleBasedStateMachine):
         self.ckpts: list[tuple[str, int]] = []
         self.n = 0
         self.spent: list[str] = []  # every segment ever committed
+        self.closed: int | None = None  # the step the stream is closed after
 
     def put(self, rec: Record) -> str | None:
         return self.state.apply(self.state.version + 1, encode_record(rec))
@@ -318,7 +319,7 @@ class ManifestMachine(RuleBasedStateMachine):
         seq = self.seqs.get(p, -1) + 1
         epoch = self.epochs[p] - (1 if stale else 0)
         why = self.state.apply(self.state.version + 1, commit(p, epoch, seq, n))
-        if stale:
+        if stale or (self.closed is not None and self.first + len(self.model_steps) + n - 1 > self.closed):
             assert why is not None
             return
         assert why is None
@@ -374,6 +375,19 @@ class ManifestMachine(RuleBasedStateMachine):
         for p in self.epochs:
             self.epochs[p] += 1
 
+    @rule(ahead=st.integers(-1, 3))
+    def close(self, ahead: int) -> None:
+        head = self.first + len(self.model_steps) - 1
+        why = self.put(CloseRecord(head + ahead))
+        assert (why is None) == (self.closed is None and ahead >= 0)
+        if why is None:
+            self.closed = head + ahead
+
+    @rule()
+    def reopen(self) -> None:
+        assert (self.put(ReopenRecord()) is None) == (self.closed is not None)
+        self.closed = None
+
     @invariant()
     def matches_model(self) -> None:
         s = self.state
@@ -382,6 +396,7 @@ class ManifestMachine(RuleBasedStateMachine):
         assert [x.step for x in s.steps] == list(range(self.first, self.first + len(self.model_steps)))
         assert [(c.id, c.step) for c in s.checkpoints] == self.ckpts
         assert s.watermark == (self.ckpts[0][1] if self.ckpts else -1)
+        assert s.closed_after == self.closed
         assert {p: x.epoch for p, x in s.producers.items()} == self.epochs
         assert all(x.segment.startswith(f"segments/{x.producer}/{x.epoch}-{x.seq}-") for x in s.steps)
         assert State.from_json(s.to_json()).to_json() == s.to_json()
