@@ -34,13 +34,16 @@ from ._errors import (
     StoreError,
     StoreFull,
     StoreUnavailable,
+    StreamClosed,
     StreamNotFound,
 )
 from ._gc import GcReport
 from ._gc import gc as _gc
 from ._lifecycle import checkpoint as _checkpoint
+from ._lifecycle import close as _close
 from ._lifecycle import mix as _mix
 from ._lifecycle import release as _release
+from ._lifecycle import reopen as _reopen
 from ._lifecycle import reshape as _reshape
 from ._lifecycle import rewind as _rewind
 from ._manifest import Manifest, create_stream
@@ -87,9 +90,11 @@ __all__ = [
     "StoreError",
     "StoreFull",
     "StoreUnavailable",
+    "StreamClosed",
     "StreamNotFound",
     "VerifyReport",
     "checkpoint",
+    "close",
     "create",
     "gc",
     "load_state",
@@ -99,6 +104,7 @@ __all__ = [
     "open_store",
     "produce",
     "release",
+    "reopen",
     "reshape",
     "rewind",
     "verify",
@@ -201,6 +207,22 @@ async def rewind(target: Target, *, to_checkpoint: str | None = None, to_step: i
     each producer's resume cursor becomes its cursor as of that step. Returns the new state."""
     async with _store_for(target) as store:
         return await _rewind(store, to_checkpoint=to_checkpoint, to_step=to_step)
+
+
+async def close(target: Target, *, after_step: int | None = None) -> State:
+    """End the stream after `after_step` (None: the head): no step past it is ever committed, so
+    producers stop there (StreamClosed), and readers end once they have read it (`Reader.steps`
+    with no stop, `read` without --to-step, StreamDataset with stop None). A later step closes the
+    stream once the head reaches it. Raises ValueError for a step before the head, or when it is
+    closed after another step. Returns the new state."""
+    async with _store_for(target) as store:
+        return await _close(store, after_step=after_step)
+
+
+async def reopen(target: Target) -> State:
+    """Undo a close: producers may commit past it again (run them again to continue). Returns the new state."""
+    async with _store_for(target) as store:
+        return await _reopen(store)
 
 
 async def reshape(

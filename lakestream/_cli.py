@@ -315,7 +315,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", help="write the samples as files under DIR (default: list the keys)")
     p.add_argument("--from-step", type=_nonneg, default=None, help="first step (default: the first readable step)")
     p.add_argument("--to-step", type=_nonneg, default=None,
-                   help="last step, inclusive; waits for it to commit (default: the head at the start)")  # fmt: skip
+                   help="last step, inclusive; waits for it to commit (default: the head at the start, or the "
+                        "last step of a closed stream)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object per step, and a summary, one per line")
     _metrics_options(p)
 
@@ -371,6 +372,19 @@ def _parser() -> argparse.ArgumentParser:
     to = p.add_mutually_exclusive_group(required=True)
     to.add_argument("--to-checkpoint", metavar="ID", help="a retained checkpoint")
     to.add_argument("--to-step", type=_nonneg, metavar="S", help="the last step to keep")
+
+    p = sub.add_parser("close", help="end the stream after a step: nothing more is committed", description=(
+        "End the stream after step S (default: the head): no step past it is ever committed, so producers stop "
+        "there and say so, and readers end once they have read it (read without --to-step, Reader.steps and "
+        "StreamDataset with no stop). A step after the head ends the stream once the head reaches it."
+    ))  # fmt: skip
+    p.add_argument("url", help=url_help)
+    p.add_argument("--after-step", type=_nonneg, metavar="S", help="the last step of the stream (default: the head)")
+
+    p = sub.add_parser("reopen", help="undo a close", description=(
+        "Undo a close: producers may commit past it again (run them again to continue)."
+    ))  # fmt: skip
+    p.add_argument("url", help=url_help)
 
     p = sub.add_parser("mix", help="set the share of each named source in every global batch from a step on",
                        description=(
@@ -718,7 +732,8 @@ async def _read(a: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     async with lakestream.open_reader(a.url, a.rank, raw=True, publish_consumed=False) as r:
         start = a.from_step if a.from_step is not None else r.state.first_step
-        stop = a.to_step + 1 if a.to_step is not None else r.state.head + 1
+        end = r.state.head if r.state.closed_after is None else r.state.closed_after  # a closed stream: its close
+        stop = a.to_step + 1 if a.to_step is not None else end + 1
         n = nbytes = 0
         if stop - 1 > r.state.head:
             head = f"the head is step {r.state.head}" if r.state.head >= 0 else "no step is committed yet"
@@ -817,6 +832,19 @@ async def _rewind(a: argparse.Namespace) -> int:
     return 0
 
 
+async def _close(a: argparse.Namespace) -> int:
+    state = await lakestream.close(a.url, after_step=a.after_step)
+    now = "" if state.ended else f" (it ends once the head, now step {state.head}, reaches it)"
+    print(f"closed {a.url} after step {state.closed_after}{now}; nothing past it is committed")
+    return 0
+
+
+async def _reopen(a: argparse.Namespace) -> int:
+    await lakestream.reopen(a.url)
+    print(f"reopened {a.url}: producers may commit past the head again")
+    return 0
+
+
 def _weights(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for part in text.split(","):
@@ -904,6 +932,7 @@ def status_dict(state: lakestream.State) -> dict[str, Any]:
             for pid, h in sorted(state.leftovers.items())
         },
         "waiting_for": state.unfinished() if state.leftovers else [],
+        "closed_after": state.closed_after,
         "rejected": [{"version": v, "reason": why} for v, why in state.rejected],
     }
 
@@ -939,6 +968,9 @@ async def _status(a: argparse.Namespace) -> int:
         print(_safe(
             f"  the held leftovers wait for {', '.join(d['waiting_for'])} to finish (or `lakestream pack {a.url}`)"
         ))  # fmt: skip
+    if d["closed_after"] is not None:
+        end = "ended" if state.ended else f"ends once the head reaches step {d['closed_after']}"
+        print(f"  closed after step {d['closed_after']}: {end}, nothing past it is committed")
     for r in d["rejected"]:
         print(_safe(f"  malformed record at version {r['version']}: {r['reason']}"))
     return 0
@@ -1064,7 +1096,7 @@ def _umount(a: argparse.Namespace) -> int:
 COMMANDS = {
     "init": _init, "produce": _produce, "read": _read, "status": _status, "pack": _pack, "verify": _verify, "demo": _demo,
     "checkpoint": _checkpoint, "release": _release, "rewind": _rewind, "reshape": _reshape, "mix": _mix, "gc": _gc,
-    "top": _top, "inspect": _inspect,
+    "top": _top, "inspect": _inspect, "close": _close, "reopen": _reopen,
 }  # fmt: skip
 SYNC_COMMANDS = {"mount": _mount, "umount": _umount, "fleet": _fleet, "dev-s3": _dev_s3}
 

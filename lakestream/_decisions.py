@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ._config import LIMITS, Config
-from ._errors import ConfigMismatch, MixChanged, ProducerFenced, StepUnavailable
+from ._errors import ConfigMismatch, MixChanged, ProducerFenced, StepUnavailable, StreamClosed
 from ._records import (
     CheckpointRecord,
+    CloseRecord,
     CommitRecord,
     CreateRecord,
     FinishRecord,
@@ -29,6 +30,7 @@ from ._records import (
     ReclaimRecord,
     RegisterRecord,
     ReleaseRecord,
+    ReopenRecord,
     ReshapeRecord,
     RewindRecord,
     TgbRef,
@@ -41,7 +43,9 @@ MAX_STEP = 1 << 63  # steps are 64-bit signed integers in records and snapshots
 
 __all__ = [
     "PendingTgb",
+    "check_open",
     "checkpoint",
+    "close",
     "combine",
     "commit",
     "create",
@@ -53,6 +57,7 @@ __all__ = [
     "reclaim",
     "register",
     "release",
+    "reopen",
     "reshape",
     "rewind",
     "room",
@@ -128,9 +133,14 @@ def commit(
     """Commit the `pending` TGBs (in sequence order) that are not committed yet, as many as
     back-pressure leaves room for (`room`, with the trainer's `consumed` mark); `lost` is the
     number of races this commit has lost so far. None when all landed (an ambiguous put whose
-    answer was lost) or there is no room. Raises ProducerFenced."""
+    answer was lost) or there is no room. On a closed stream only those up to the close; raises
+    StreamClosed when none fits. Raises ProducerFenced."""
     p = current_incarnation(state, producer, epoch, url)
-    todo = [t for t in pending if t.seq > p.seq][: max(0, room(state, consumed))]
+    todo = [t for t in pending if t.seq > p.seq]
+    if todo and state.closed_after is not None:
+        check_open(state, producer, url)
+        todo = todo[: state.closed_after - state.head]
+    todo = todo[: max(0, room(state, consumed))]
     if not todo:
         return None
     for i, t in enumerate(todo):
@@ -154,6 +164,8 @@ def combine(
     producer's sequence, sealed for another mix or shape) is left out. None when nothing is left."""
     scratch = state.copy()
     left = room(state, consumed)
+    if state.closed_after is not None:  # nothing past the close (a producer finds out: StreamClosed)
+        left = min(left, state.closed_after - state.head)
     taken: list[RegisterRecord | CommitRecord] = []
     for r in sorted((r for r in intents if isinstance(r, RegisterRecord)), key=lambda r: (r.ts, r.producer)):
         p = scratch.producers.get(r.producer)
@@ -183,6 +195,16 @@ def combine(
                 taken.append(sub)
                 left -= len(tgbs)
     return GroupRecord(tuple(taken), now) if taken else None
+
+
+def check_open(state: State, producer: str, url: str = "") -> None:
+    """Raises StreamClosed when no step follows the head (the stream is closed and its head reached
+    the close): what the producer has not committed never will be."""
+    if state.ended:
+        raise StreamClosed(
+            f"{url}: the stream is closed after step {state.closed_after}: producer {producer!r} stops; what it "
+            "did not commit is not committed ('lakestream reopen' and run it again to continue)"
+        )
 
 
 def _check_mix(state: State, producer: str, seq: int, ref: TgbRef, step: int, url: str) -> None:
@@ -239,6 +261,10 @@ def pack(
     held = sorted((pid, h.ref.segment) for pid, h in state.leftovers.items())
     if held != list(packs) or (not force and state.unfinished()):
         return None
+    check_open(state, producer, url)
+    if state.closed_after is not None and state.head + len(pending) > state.closed_after:
+        raise StreamClosed(f"{url}: the stream is closed after step {state.closed_after}: the held leftovers of "
+                           f"{len(pending)} steps do not fit before it and are not committed")  # fmt: skip
     for i, t in enumerate(pending):
         _check_mix(state, producer, t.seq, t.ref, state.head + 1 + i, url)
     return CommitRecord(producer, epoch, pending[0].seq, tuple(t.ref for t in pending), lost, now, tuple(packs))
@@ -307,6 +333,30 @@ def rewind(
             f"{url}: cannot rewind to step {target}: readable steps are {state.first_step}..{state.head}"
         )
     return RewindRecord(target, now)
+
+
+def close(state: State, after_step: int | None, now: float, url: str = "") -> CloseRecord | None:
+    """End the stream after `after_step` (None: the head): no step past it is ever committed.
+    None when it is closed there already. Raises ValueError for a step before the head, or when it
+    is closed after another step (reopen it first)."""
+    target = state.head if after_step is None else after_step
+    if type(target) is not int or not -1 <= target < MAX_STEP:
+        raise ValueError(f"{url}: step {target!r} is out of range (-1 to 2^63 - 1)")
+    if state.closed_after is not None:
+        if state.closed_after == target:
+            return None
+        raise ValueError(
+            f"{url}: the stream is closed already after step {state.closed_after}; reopen it to close it after "
+            f"step {target}"
+        )
+    if target < state.head:
+        raise ValueError(f"{url}: cannot close after step {target}: steps up to {state.head} are committed")
+    return CloseRecord(target, now)
+
+
+def reopen(state: State, now: float) -> ReopenRecord | None:
+    """Undo the close: steps may be committed past it again. None when the stream is not closed."""
+    return ReopenRecord(now) if state.closed_after is not None else None
 
 
 def reclaim(state: State, now: float) -> ReclaimRecord | None:

@@ -10,6 +10,7 @@
     ├── StreamNotFound                   no stream at this URL (also FileNotFoundError)
     ├── ConfigMismatch                   init over a stream with another config (also ValueError)
     ├── ProducerFenced                   a newer incarnation of this producer registered
+    ├── StreamClosed                     the stream is closed: nothing more is committed
     ├── SegmentLost                      an uploaded segment vanished before its commit
     ├── CorruptData                      a checksum or format check failed
     ├── InvalidSample                    a sample, key, field or cursor is unusable (also ValueError)
@@ -35,6 +36,7 @@ __all__ = [
     "StoreError",
     "StoreFull",
     "StoreUnavailable",
+    "StreamClosed",
     "StreamNotFound",
 ]
 
@@ -85,6 +87,12 @@ class ConfigMismatch(LakestreamError, ValueError):
 
 class ProducerFenced(LakestreamError):
     """A newer incarnation of this producer registered; this one may not commit."""
+
+
+class StreamClosed(LakestreamError):
+    """The stream is closed (`lakestream close`): no step past the close is committed, so a
+    producer stops; what it produced that did not fit is not committed. `lakestream reopen` undoes
+    the close, and the producer run again resumes from its committed cursor."""
 
 
 class MixChanged(LakestreamError):

@@ -1,4 +1,5 @@
-"""Checkpoint-aligned lifecycle: checkpoints, release and rewind (garbage collection: `_gc`).
+"""Checkpoint-aligned lifecycle: checkpoints, release and rewind (garbage collection: `_gc`); the
+end of a stream (close, reopen).
 
 Data lives until no retained checkpoint needs it. Rank 0 records a checkpoint (id, step) once the
 trainer's own checkpoint at that step is durable; the stream keeps the newest `keep_checkpoints`;
@@ -18,7 +19,7 @@ from ._manifest import Manifest
 from ._state import State
 from ._store import ObjectStore
 
-__all__ = ["checkpoint", "mix", "release", "reshape", "rewind"]
+__all__ = ["checkpoint", "close", "mix", "release", "reopen", "reshape", "rewind"]
 
 
 async def checkpoint(
@@ -78,6 +79,23 @@ async def rewind(
             st, to_checkpoint=to_checkpoint, to_step=to_step, rewinds_before=before, now=wall(), url=store.url
         )
     )
+    return m.state
+
+
+async def close(store: ObjectStore, *, after_step: int | None = None, wall: Callable[[], float] = time.time) -> State:
+    """End the stream after `after_step` (None: the head as the record lands): no step past it is
+    committed, and readers end once they read it (`_decisions.close`). Returns the new state."""
+    m = Manifest(store)
+    await m.load()
+    await m.append(lambda st, _: decisions.close(st, after_step, wall(), store.url))
+    return m.state
+
+
+async def reopen(store: ObjectStore, *, wall: Callable[[], float] = time.time) -> State:
+    """Undo a close: steps may be committed past it again. Returns the new state."""
+    m = Manifest(store)
+    await m.load()
+    await m.append(lambda st, _: decisions.reopen(st, wall()))
     return m.state
 
 

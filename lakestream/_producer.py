@@ -36,6 +36,7 @@ from ._layout import COST_FIELD, intent_key, register_intent_key, segment_key
 from ._manifest import Manifest
 from ._pacing import AttemptOutcome, CommitPolicy, Observation, make_policy
 from ._records import (
+    CloseRecord,
     CommitRecord,
     GroupRecord,
     MixRecord,
@@ -745,7 +746,7 @@ class Producer:
                     behind |= not self._landed(r)
                 elif isinstance(r, RegisterRecord) and r.producer == self.id and r.token != self._token:
                     behind = True  # fenced: the catch-up says so
-                elif isinstance(r, RewindRecord | ReshapeRecord | MixRecord):
+                elif isinstance(r, RewindRecord | ReshapeRecord | MixRecord | CloseRecord):
                     behind = True  # may fence this producer or refuse what it declared
         if behind:
             await self._catch_up()
@@ -778,7 +779,7 @@ class Producer:
         self._seen, self._caught_up_at = max(self._seen, self.manifest.state.version), self._clock()
         self._drop_committed(self.manifest.state)
         waiting = [decisions.PendingTgb(t.seq, t.ref) for t in self._ready() if t.ref is not None]
-        if waiting:  # raises what committing them would (ProducerFenced, MixChanged)
+        if waiting:  # raises what committing them would (ProducerFenced, MixChanged, StreamClosed)
             decisions.commit(self.manifest.state, self.id, self.epoch, waiting, 0, self._wall(), self.manifest.url)
 
     async def _take_over(self) -> None:
@@ -866,6 +867,7 @@ class Producer:
                 held = self._clock()
                 self.stats.backpressure_waits += 1
             elif self._clock() - self._mark_at >= HOLD_POLL[1]:
+                decisions.check_open(self.manifest.state, self.id, self.manifest.url)  # never room past a close
                 await self._read_mark()
                 if self.combine:  # not following the log: the tail hint says where the head is
                     if (tail := await self.manifest.read_tail()) is not None:

@@ -100,6 +100,10 @@ class _Fetch:
     error: BaseException | None = None
 
 
+class _Ended(Exception):
+    """The stream is closed before the step waited for."""
+
+
 class Reader:
     """Reads one rank's slices. Create with `lakestream.open_reader`."""
 
@@ -268,6 +272,23 @@ class Reader:
             await anyio.sleep(min(interval, left))
             interval = min(interval * 2, self.poll_max)
 
+    async def wait_for_step_or_end(self, step: int, *, check: Callable[[], None] | None = None) -> Step | None:
+        """The manifest entry of `step`, waiting until it is committed; None once the stream is
+        closed before it (`lakestream close`): no such step will ever be committed."""
+
+        def ended() -> None:
+            if check is not None:
+                check()
+            if self.state.closed_after is not None and step > self.state.closed_after:
+                raise _Ended
+
+        try:
+            if self.state.step(step) is None:
+                ended()
+            return await self.wait_for_step(step, check=ended)
+        except _Ended:
+            return None
+
     def _entry(self, step: int) -> Step | None:
         s = self.state
         if step < s.first_step:
@@ -292,9 +313,10 @@ class Reader:
         return fetch.result
 
     async def steps(self, start: int = 0, stop: int | None = None) -> AsyncIterator[RankBatch]:
-        """Every step from `start` up to `stop` (exclusive; None: forever), in order.
+        """Every step from `start` up to `stop` (exclusive; None: until the stream ends), in order.
 
-        Waits for steps not committed yet. Raises StepUnavailable for a reclaimed step or when a
+        Waits for steps not committed yet. With no `stop` it ends after the last step of a closed
+        stream (`lakestream close`), and waits for ever on one that is not closed. Raises StepUnavailable for a reclaimed step or when a
         rewind discarded a step already yielded, and CorruptData for a slice that fails its checksum.
         """
         step = start
@@ -310,7 +332,13 @@ class Reader:
 
         while stop is None or step < stop:
             asked = time.perf_counter()  # the consumer waits from here until the yield: its stall
-            entry = await self.wait_for_step(step, check=check)
+            if stop is None:
+                found = await self.wait_for_step_or_end(step, check=check)
+                if found is None:
+                    return
+                entry = found
+            else:
+                entry = await self.wait_for_step(step, check=check)
             check()
             self._prefetch_after(step, stop)
             batch = await self.read_step(step)

@@ -23,6 +23,7 @@ from ._config import LIMITS, Config
 __all__ = [
     "CHECKSUM_BITS",
     "CheckpointRecord",
+    "CloseRecord",
     "CommitRecord",
     "CreateRecord",
     "FinishRecord",
@@ -33,6 +34,7 @@ __all__ = [
     "RecordError",
     "RegisterRecord",
     "ReleaseRecord",
+    "ReopenRecord",
     "ReshapeRecord",
     "RewindRecord",
     "TgbRef",
@@ -204,6 +206,30 @@ class RewindRecord:
         return {"to_step": self.to_step, "ts": self.ts}
 
 
+@dataclass(frozen=True, slots=True)
+class CloseRecord:
+    """The stream ends after step `after_step` (the head, or a later step the head has yet to reach):
+    no step past it is ever committed, and readers end once they have read it."""
+
+    after_step: int
+    ts: float = 0.0
+    kind: ClassVar[str] = "close"
+
+    def members(self) -> dict[str, Any]:
+        return {"after_step": self.after_step, "ts": self.ts}
+
+
+@dataclass(frozen=True, slots=True)
+class ReopenRecord:
+    """Undo the close: steps may be committed past it again."""
+
+    ts: float = 0.0
+    kind: ClassVar[str] = "reopen"
+
+    def members(self) -> dict[str, Any]:
+        return {"ts": self.ts}
+
+
 SOURCE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")  # what a mix record may hold (older names too)
 NEW_SOURCE_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")  # what `mix` and `produce` accept
 MAX_SOURCES = 256
@@ -294,7 +320,7 @@ class GroupRecord:
 
 Record = (
     CreateRecord | RegisterRecord | CommitRecord | CheckpointRecord | ReleaseRecord | ReclaimRecord | RewindRecord
-    | ReshapeRecord | MixRecord | FinishRecord | GroupRecord
+    | ReshapeRecord | MixRecord | FinishRecord | GroupRecord | CloseRecord | ReopenRecord
 )  # fmt: skip
 
 
@@ -453,6 +479,10 @@ def _decode(r: Any, *, inner: bool = False) -> Record:
         return ReclaimRecord(f.int("below", why=f"reclaim: bad step {r.get('below')!r}"), f.ts())
     if kind == "rewind":
         return RewindRecord(f.int("to_step", -1, why=f"rewind: bad step {r.get('to_step')!r}"), f.ts())
+    if kind == "close":
+        return CloseRecord(f.int("after_step", -1, why=f"close: bad step {r.get('after_step')!r:.40}"), f.ts())
+    if kind == "reopen":
+        return ReopenRecord(f.ts())
     if kind == "mix":
         try:
             weights = () if r.get("weights") == [] else check_weights(r.get("weights"))  # [] clears

@@ -36,6 +36,9 @@ Invariants, kept by `apply` alone:
   with no weights clears. `mix_at(step)` is the newest mix from `step` or before, None before the
   first one or from a clear on. A TGB committed at a step names exactly that mix's version (no
   mix under None) and holds its shares, so a TGB sealed for other weights is never committed.
+* A `close` record ends the stream after a step at or past the head (`closed_after`): a commit
+  that would put a step past it is a no-op, so the head never passes it. A `reopen` record
+  clears it. A rewind leaves it as it is (the steps up to it may be committed again).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from ._records import (
     CHECKSUM_BITS,
     PRODUCER_ID,
     CheckpointRecord,
+    CloseRecord,
     CommitRecord,
     CreateRecord,
     FinishRecord,
@@ -64,6 +68,7 @@ from ._records import (
     RecordError,
     RegisterRecord,
     ReleaseRecord,
+    ReopenRecord,
     ReshapeRecord,
     RewindRecord,
     TgbRef,
@@ -239,6 +244,7 @@ class State:
     shapes: list[tuple[int, int, int]] = field(default_factory=list)  # (from step, world, batch), rising step
     mixes: list[Mix] = field(default_factory=list)  # rising from step
     leftovers: dict[str, Leftover] = field(default_factory=dict)  # held, by producer
+    closed_after: int | None = None  # the stream ends after this step (a `close` record), if closed
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -285,6 +291,11 @@ class State:
     def step(self, n: int) -> Step | None:
         i = n - self.first_step
         return self.steps[i] if 0 <= i < len(self.steps) else None
+
+    @property
+    def ended(self) -> bool:
+        """The stream is closed and its head reached the close: no step will follow the head."""
+        return self.closed_after is not None and self.head >= self.closed_after
 
     def unfinished(self, but: str | None = None) -> list[str]:
         """The producers still producing (no `finish` since they registered), `but` aside: who the
@@ -382,6 +393,11 @@ class State:
             _need(r.below <= self.watermark, f"reclaim: step {r.below} is above the watermark {self.watermark}")
         elif isinstance(r, RewindRecord):
             _need(self.first_step - 1 <= r.to_step <= self.head, f"rewind: step {r.to_step} is not retained")
+        elif isinstance(r, CloseRecord):
+            _need(self.closed_after is None, f"close: the stream is closed already after step {self.closed_after}")
+            _need(r.after_step >= self.head, f"close: step {r.after_step} is before the head {self.head}")
+        elif isinstance(r, ReopenRecord):
+            _need(self.closed_after is not None, "reopen: the stream is not closed")
         elif isinstance(r, MixRecord):
             _need(r.from_step > self.head, f"mix: step {r.from_step} is committed (the head is {self.head})")
         elif isinstance(r, ReshapeRecord):
@@ -403,6 +419,8 @@ class State:
         pid = r.producer
         p = self._incarnation("commit", pid, r.epoch)
         _need(r.seq == p.seq + 1, f"commit {pid}: seq {r.seq!r} is not the next ({p.seq + 1})")
+        _need(self.closed_after is None or self.head + len(r.tgbs) <= self.closed_after,
+              f"commit {pid}: the stream is closed after step {self.closed_after}")  # fmt: skip
         for i, t in enumerate(r.tgbs):
             # Each TGB's own key: never one committed before (its seq would be committed already).
             _need(_segment_of(t.segment, pid, r.epoch, r.seq + i),
@@ -564,6 +582,10 @@ class State:
                 del self.mixes[0]
         elif isinstance(r, RewindRecord):
             self._discard_after(r.to_step)
+        elif isinstance(r, CloseRecord):
+            self.closed_after = r.after_step
+        elif isinstance(r, ReopenRecord):
+            self.closed_after = None
         elif isinstance(r, MixRecord):
             self.mixes = [m for m in self.mixes if m.from_step < r.from_step] + [Mix(r.from_step, version, r.weights)]
         elif isinstance(r, ReshapeRecord):
@@ -599,7 +621,7 @@ class State:
             producers={k: ProducerState(**v.to_dict()) for k, v in self.producers.items()},
             checkpoints=[Checkpoint(c.id, c.step, c.version) for c in self.checkpoints],
             rewinds=self.rewinds, rejected=list(self.rejected), shapes=list(self.shapes),
-            mixes=list(self.mixes), leftovers=dict(self.leftovers),
+            mixes=list(self.mixes), leftovers=dict(self.leftovers), closed_after=self.closed_after,
         )  # fmt: skip
 
     # -- snapshots -----------------------------------------------------------------------------
@@ -614,20 +636,30 @@ class State:
         return body[:-1] + b',"sha256":"' + hashlib.sha256(body).hexdigest().encode() + b'"}'
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "config": self.config.to_dict() if self.config else None,
-            "first_step": self.first_step,
-            "steps": [s.to_list() for s in self.steps],
-            "producers": {k: self.producers[k].to_dict() for k in sorted(self.producers)},
-            "checkpoints": [[c.id, c.step, c.version] for c in self.checkpoints],
-            "rewinds": self.rewinds,
-            "rejected": [list(x) for x in self.rejected],
-        } | ({"shapes": [list(x) for x in self.shapes]} if self.shapes else {}) | (  # absent when never reshaped
-            {"mixes": [[m.from_step, m.version, [list(w) for w in m.weights]] for m in self.mixes]} if self.mixes else {}
-        ) | (  # absent when nothing is held
-            {"leftovers": {k: self.leftovers[k].to_list() for k in sorted(self.leftovers)}} if self.leftovers else {}
-        )  # fmt: skip
+        return (
+            {
+                "version": self.version,
+                "config": self.config.to_dict() if self.config else None,
+                "first_step": self.first_step,
+                "steps": [s.to_list() for s in self.steps],
+                "producers": {k: self.producers[k].to_dict() for k in sorted(self.producers)},
+                "checkpoints": [[c.id, c.step, c.version] for c in self.checkpoints],
+                "rewinds": self.rewinds,
+                "rejected": [list(x) for x in self.rejected],
+            }
+            | ({"shapes": [list(x) for x in self.shapes]} if self.shapes else {})
+            | (  # absent when never reshaped
+                {"mixes": [[m.from_step, m.version, [list(w) for w in m.weights]] for m in self.mixes]}
+                if self.mixes
+                else {}
+            )
+            | (  # absent when nothing is held
+                {"leftovers": {k: self.leftovers[k].to_list() for k in sorted(self.leftovers)}}
+                if self.leftovers
+                else {}
+            )
+            | ({"closed_after": self.closed_after} if self.closed_after is not None else {})
+        )  # absent unless closed
 
     @classmethod
     def from_json(cls, data: bytes) -> State:
@@ -714,6 +746,10 @@ class State:
             ok = bool(self.mixes) and self.mixes[-1] == Mix(r.from_step, v, r.weights)
         elif isinstance(r, ReshapeRecord):
             ok = bool(self.shapes) and self.shapes[-1] == (r.from_step, r.world_size, r.global_batch)
+        elif isinstance(r, CloseRecord):
+            ok = self.closed_after == r.after_step
+        elif isinstance(r, ReopenRecord):
+            ok = self.closed_after is None
         else:
             ok = self.head == r.to_step and all(p.token == "" for p in self.producers.values())
         return None if ok else f"the state does not reflect the {r.kind} record at version {v}"
@@ -759,7 +795,7 @@ def _state_from_dict(d: dict[str, Any]) -> State:
 
     O(steps x world size); messages are only formatted for the field that fails.
     """
-    if d.keys() - {"shapes", "mixes", "leftovers"} != _STATE_KEYS:
+    if d.keys() - {"shapes", "mixes", "leftovers", "closed_after"} != _STATE_KEYS:
         raise _bad(f"members {sorted(d)!r:.200} are not {sorted(_STATE_KEYS)}")
     version, first, rewinds = d["version"], d["first_step"], d["rewinds"]
     for name, v in (("version", version), ("first_step", first), ("rewinds", rewinds)):
@@ -878,7 +914,12 @@ def _state_from_dict(d: dict[str, Any]) -> State:
 
     mixes = _mixes_from(d.get("mixes", []), version)
     leftovers = _leftovers_from(d.get("leftovers", {}), producers)
-    return State(version, config, first, steps, producers, checkpoints, rewinds, rejected, shapes, mixes, leftovers)
+    closed = d.get("closed_after")
+    if closed is not None and not (_int(closed, -1) and head <= closed < 1 << 63):
+        raise _bad(f"closed_after {closed!r:.40} is not a step from the head {head} on")
+    return State(
+        version, config, first, steps, producers, checkpoints, rewinds, rejected, shapes, mixes, leftovers, closed
+    )
 
 
 def _packed_from(

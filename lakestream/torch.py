@@ -15,7 +15,8 @@
 An item is `{"step": int, "samples": [sample, ...]}`; a sample is a dict with `__key__` and its
 fields as put, except that numpy arrays become torch tensors (`torch.from_numpy`; arrays of a dtype
 torch has no tensor type for stay numpy arrays). `stop` (exclusive) ends the iteration; without it
-the dataset follows the stream, waiting for steps not committed yet.
+the dataset follows the stream, waiting for steps not committed yet, and ends after the last step
+of a closed stream (`lakestream close`).
 
 With `collate=True` an item is the step's samples as columns: `{"step": int, "keys": [key, ...],
 field: tensor or list, ...}`. A field that is a numpy array of one dtype and shape in every sample
@@ -227,6 +228,8 @@ async def _owned_steps(reader: lakestream.Reader, start: int, stop: int | None, 
     step = start
     while stop is None or step < stop:
         asked = time.perf_counter()  # the consumer's stall, as `Reader.steps` measures it
+        if stop is None and await reader.wait_for_step_or_end(step) is None:
+            return  # the stream is closed before this step
         batch = await reader.read_step(step)
         reader._metrics.stalled(time.perf_counter() - asked)
         state = reader.state
@@ -446,7 +449,7 @@ class StreamDataset(_Resumable, torch.utils.data.IterableDataset):  # type: igno
     environment, else rank 0 of 1), resolved when the dataset is created (so create it after
     `init_process_group`); the reader fails with ConfigMismatch if the stream has another world
     size (saying to pass `rank=` and `world_size=` if they were found nowhere). `start`: the first
-    step; `stop`: exclusive, None to follow the stream forever (waiting for steps not committed
+    step; `stop`: exclusive, None to follow the stream until it is closed (waiting for steps not committed
     yet). `prefetch`: committed steps fetched ahead. `reader_options`: more
     `lakestream.open_reader` options (poll_interval, verify, …).
 

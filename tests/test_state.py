@@ -11,12 +11,15 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from lakestream import Config, State
 from lakestream._records import (
     CheckpointRecord,
+    CloseRecord,
     CommitRecord,
     CreateRecord,
+    GroupRecord,
     ReclaimRecord,
     Record,
     RegisterRecord,
     ReleaseRecord,
+    ReopenRecord,
     RewindRecord,
     TgbRef,
     encode_record,
@@ -167,6 +170,8 @@ ops = st.lists(
         st.tuples(st.just("commit"), producers, st.integers(1, 3)),
         st.tuples(st.just("stale"), producers),
         st.tuples(st.just("garbage"), st.binary(max_size=20)),
+        st.tuples(st.just("close"), st.integers(-1, 3)),
+        st.tuples(st.just("reopen")),
     ),
     max_size=40,
 )
@@ -189,6 +194,10 @@ def build_log(ops_: list[tuple]) -> list[bytes]:
         elif kind == "stale":
             p = s.producers.get(op[1])
             rec = commit(op[1], (p.epoch - 1) if p else 1, (p.seq + 1) if p else 0)
+        elif kind == "close":  # after the head, or a later step; one before the head is a no-op
+            rec = encode_record(CloseRecord(s.head + op[1]))
+        elif kind == "reopen":
+            rec = encode_record(ReopenRecord())
         else:
             rec = op[1]
         s.apply(len(log), rec)
@@ -222,6 +231,52 @@ def test_steps_gap_free_and_seqs_increase(ops_: list[tuple]) -> None:
         assert p.seq == len(seqs) - 1
 
 
+@given(ops)
+def test_the_head_never_passes_a_close(ops_: list[tuple]) -> None:
+    """Replaying the log step by step, a closed stream's head is at most its close; only a reopen clears it."""
+    s = State()
+    for v, rec in enumerate(build_log(ops_)):
+        before = s.closed_after
+        s.apply(v, rec)
+        assert s.closed_after is None or s.head <= s.closed_after
+        if before is not None and s.closed_after != before:
+            assert s.closed_after is None and orjson.loads(rec)["kind"] == "reopen"
+
+
+def test_commits_past_a_close_are_noops_until_a_reopen() -> None:
+    s = replay([create(), register("a", 1), commit("a", 1, 0, 2)])
+    assert s.apply(3, encode_record(CloseRecord(0))) is not None  # before the head: a no-op
+    assert s.closed_after is None
+    assert s.apply(4, encode_record(CloseRecord(2))) is None
+    assert s.closed_after == 2 and not s.ended
+    assert s.apply(5, commit("a", 1, 2, 2)) is not None  # steps 2 and 3: past the close
+    assert s.apply(6, commit("a", 1, 2)) is None and s.head == 2 and s.ended
+    assert s.apply(7, commit("a", 1, 3)) is not None and s.head == 2
+    assert s.apply(8, encode_record(CloseRecord(5))) is not None  # closed already
+    group = encode_record(GroupRecord((RegisterRecord("b", 1, "t"), CommitRecord("b", 1, 0, (tgb("b", 1, 0),)))))
+    assert s.apply(9, group) is not None  # the register takes effect, the commit is a no-op
+    assert s.producers["b"].epoch == 1 and s.head == 2
+    assert s.apply(10, encode_record(ReopenRecord())) is None and s.closed_after is None
+    assert s.apply(11, encode_record(ReopenRecord())) is not None  # not closed
+    assert s.apply(12, commit("a", 1, 3)) is None and s.head == 3
+    assert [v for v, _ in s.rejected] == [3, 5, 7, 8, 9, 11]
+
+
+def test_a_closed_state_round_trips_and_one_never_closed_keeps_its_snapshot() -> None:
+    s = replay([create(), register("a", 1), commit("a", 1, 0)])
+    never = s.to_json()
+    assert b"closed_after" not in never
+    s.apply(3, encode_record(CloseRecord(4)))
+    assert State.from_json(s.to_json()).closed_after == 4
+    assert s.check_last_record(encode_record(CloseRecord(4))) is None
+    assert s.check_last_record(encode_record(CloseRecord(5))) is not None
+    s.apply(4, encode_record(ReopenRecord()))
+    assert State.from_json(s.to_json()).closed_after is None and b"closed_after" not in s.to_json()
+    bad = s.to_dict() | {"closed_after": -1}  # before the head 0
+    with pytest.raises(ValueError, match="closed_after"):
+        State.from_json(orjson.dumps(bad))
+
+
 @given(st.permutations(["a", "b", "c"]), st.integers(1, 3))
 def test_rebase_only_renumbers_steps(order: list[str], n: int) -> None:
     """The same commit records in any order (as races decide) give the same TGBs, renumbered."""
@@ -246,6 +301,7 @@ class ManifestMachine(RuleBasedStateMachine):
         self.ckpts: list[tuple[str, int]] = []
         self.n = 0
         self.spent: list[str] = []  # every segment ever committed
+        self.closed: int | None = None  # the step the stream is closed after
 
     def put(self, rec: Record) -> str | None:
         return self.state.apply(self.state.version + 1, encode_record(rec))
@@ -263,7 +319,7 @@ class ManifestMachine(RuleBasedStateMachine):
         seq = self.seqs.get(p, -1) + 1
         epoch = self.epochs[p] - (1 if stale else 0)
         why = self.state.apply(self.state.version + 1, commit(p, epoch, seq, n))
-        if stale:
+        if stale or (self.closed is not None and self.first + len(self.model_steps) + n - 1 > self.closed):
             assert why is not None
             return
         assert why is None
@@ -319,6 +375,19 @@ class ManifestMachine(RuleBasedStateMachine):
         for p in self.epochs:
             self.epochs[p] += 1
 
+    @rule(ahead=st.integers(-1, 3))
+    def close(self, ahead: int) -> None:
+        head = self.first + len(self.model_steps) - 1
+        why = self.put(CloseRecord(head + ahead))
+        assert (why is None) == (self.closed is None and ahead >= 0)
+        if why is None:
+            self.closed = head + ahead
+
+    @rule()
+    def reopen(self) -> None:
+        assert (self.put(ReopenRecord()) is None) == (self.closed is not None)
+        self.closed = None
+
     @invariant()
     def matches_model(self) -> None:
         s = self.state
@@ -327,6 +396,7 @@ class ManifestMachine(RuleBasedStateMachine):
         assert [x.step for x in s.steps] == list(range(self.first, self.first + len(self.model_steps)))
         assert [(c.id, c.step) for c in s.checkpoints] == self.ckpts
         assert s.watermark == (self.ckpts[0][1] if self.ckpts else -1)
+        assert s.closed_after == self.closed
         assert {p: x.epoch for p, x in s.producers.items()} == self.epochs
         assert all(x.segment.startswith(f"segments/{x.producer}/{x.epoch}-{x.seq}-") for x in s.steps)
         assert State.from_json(s.to_json()).to_json() == s.to_json()
