@@ -859,9 +859,11 @@ class Producer:
             self._check()
             taken = len(self._pending) if for_upload else 0
             room = decisions.room(self.manifest.state, self._mark, self._tail_head) - taken
+            if held is not None:  # the time held is counted as it passes (a metric, scraped meanwhile)
+                now = self._clock()
+                self._metrics.held(now - held)
+                held = now
             if room > 0:
-                if held is not None:
-                    self._metrics.held(self._clock() - held)
                 return room
             if held is None:
                 held = self._clock()
