@@ -969,12 +969,12 @@ class Producer:
         self._notify()
 
     def _appended(self, version: int, *, tail: bool = True) -> None:
-        """Off the commit path: the writer of a version points the tail hint at it, and whoever
+        """Off the commit path: a combining writer of a version points the tail hint at it, and whoever
         writes a version that is a multiple of `snapshot_every` snapshots it (the state is copied
         now; serialising and writing happen in the background)."""
         if self._tg is None:
             return
-        if tail:
+        if tail and self.combine:  # (a stream's producers that commit themselves follow the log)
             self._tg.start_soon(self._write_tail, version, self.manifest.state.head)
         every = min(self.config.snapshot_every, COMBINE_SNAPSHOT_EVERY) if self.combine else self.config.snapshot_every
         if version % every == 0:
