@@ -247,11 +247,14 @@ class Producer:
             await anyio.sleep(interval * (0.5 + self._rng.random()))
             interval = min(interval * 1.5, LOOK_MAX)  # many register at once: look less often
             tail = await self.manifest.read_tail()
-            if tail != self._tail:
-                self._tail, self._moved_at = tail, self._clock()  # a combiner is at work
-            if (tail is None or tail[0] > self.manifest.state.version) and await self.manifest.refresh():
-                self._moved_at = self._clock()
-            elif self._clock() - self._moved_at > TAKEOVER_AFTER * (1 + self._rng.random()):
+            if tail != self._tail:  # only combining producers write it: one is at work
+                self._tail, self._moved_at = tail, self._clock()
+            if tail is None or tail[0] > self.manifest.state.version:
+                await self.manifest.refresh()  # (producers that commit themselves move the log too)
+                p = self.manifest.state.producers.get(self.id)
+                if p is not None and p.token == self._token:
+                    break
+            if self._clock() - self._moved_at > TAKEOVER_AFTER * (1 + self._rng.random()):
                 await self._combine_round(took_over=True)
                 self._moved_at = self._clock()
         self._registered()

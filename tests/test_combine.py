@@ -305,3 +305,30 @@ async def test_a_producer_taking_over_commits_nothing_when_what_it_declared_land
         finally:
             await c.aclose()
     assert (await lakestream.load_state(store)).producers["c"].seq == 0
+
+
+async def test_a_combining_producer_registers_while_producers_that_commit_themselves_move_the_log() -> None:
+    """Only a combiner commits a declared register; producers committing themselves keep the log
+    moving, which must not pass for a combiner at work: the newcomer takes over."""
+    store = MemoryStore()
+    await lakestream.create(store, world_size=1, global_batch=1)
+    done = anyio.Event()
+
+    async def direct() -> None:
+        async with lakestream.open_producer(store, "direct") as p:
+            i = 0
+            while not done.is_set():
+                await p.put({"__key__": f"direct-{i}", "txt": "x"}, cursor=i + 1)
+                await p.flush()
+                await anyio.sleep(0.05)
+                i += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(direct)
+        await anyio.sleep(0.3)
+        with anyio.fail_after(30):
+            await produce(store, "c", 3, combine=True)
+        done.set()
+    state = await lakestream.load_state(store)
+    assert [s.producer for s in state.steps].count("c") == 3
+    assert (await lakestream.verify(store)).ok
