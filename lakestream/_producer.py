@@ -32,7 +32,7 @@ from . import _hooks
 from ._batching import assign_ranks, mix_counts, pack_plan, packed_cursor
 from ._combine import Combiner
 from ._errors import CorruptData, InvalidSample, ObjectNotFound, ProducerFenced, SegmentLost
-from ._layout import COST_FIELD, intent_key, register_intent_key, segment_key
+from ._layout import COST_FIELD, INTENTS_PREFIX, intent_key, register_intent_key, segment_key
 from ._manifest import Manifest
 from ._pacing import AttemptOutcome, CommitPolicy, Observation, make_policy
 from ._records import (
@@ -236,6 +236,11 @@ class Producer:
         """Declare this incarnation and wait until a combiner registered it (or do it: the log
         stood still for TAKEOVER_AFTER); the log is followed from the snapshot `load` found."""
         key = register_intent_key(self.id, self._token)
+        # A register declared by an earlier incarnation of this id that died before it landed
+        # would land later and fence this one: those go first (one process per producer id).
+        mine = await retry(lambda: self.store.list(f"{INTENTS_PREFIX}{self.id}/r-"), attempts=None)
+        if mine:
+            await retry(lambda: self.store.delete(mine), attempts=None)
         data = encode_record(RegisterRecord(self.id, 1, self._token, self._wall()))
         await retry(lambda: self.store.put(key, data), attempts=None)
         # With no producer at work in the stream there is no combiner to wait for: one of those

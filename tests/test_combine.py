@@ -332,3 +332,14 @@ async def test_a_combining_producer_registers_while_producers_that_commit_themse
     state = await lakestream.load_state(store)
     assert [s.producer for s in state.steps].count("c") == 3
     assert (await lakestream.verify(store)).ok
+
+
+async def test_a_register_declared_by_a_dead_incarnation_does_not_fence_the_next_one() -> None:
+    store = MemoryStore()
+    await lakestream.create(store, world_size=1, global_batch=1)
+    # an earlier incarnation of "c" declared its register and died before a combiner took it
+    await store.put("_lakestream/intents/c/r-0123456789abcdef0123456789abcdef.json", b"{}")
+    with anyio.fail_after(30):
+        p = await produce(store, "c", 3, combine=True)  # fenced by the stale register, it would raise
+    state = await lakestream.load_state(store)
+    assert state.producers["c"].epoch == p.epoch == 1 and [s.producer for s in state.steps] == ["c"] * 3
