@@ -642,8 +642,7 @@ class Producer:
                 while not self._flushing and (left := deadline - self._clock()) > 0:
                     with anyio.move_on_after(left):
                         await self._wait_changed()
-                if self.config.max_steps_ahead and self._clock() - self._mark_at > HOLD_POLL[1]:
-                    await self._read_mark()  # the room is checked at commit on a fresh mark and log
+                await self._read_mark_if_stale()  # the room is checked at commit on a fresh mark and log
                 room = await self._room()
                 ready = self._ready()[: min(room, self._policy.group_cap)]  # and what became ready meanwhile
                 await self._commit(ready, fresh=decision.fresh)
@@ -822,9 +821,8 @@ class Producer:
         return self._leader[1]
 
     async def _combine_round(self, *, took_over: bool = False) -> None:
-        tight = decisions.room(self.manifest.state, self._mark) < 4 * COMBINE_FULL  # else the mark can wait
-        if self.config.max_steps_ahead and tight and self._clock() - self._mark_at > HOLD_POLL[1]:
-            await self._read_mark()
+        if decisions.room(self.manifest.state, self._mark) < 4 * COMBINE_FULL:  # else the mark can wait
+            await self._read_mark_if_stale()
         result = await self._combiner.round(self._mark, self._wall())
         state = self.manifest.state
         self._seen, self._moved_at = max(self._seen, state.version), self._clock()
@@ -888,6 +886,11 @@ class Producer:
                 continue
             await anyio.sleep(interval)
             interval = min(interval * 2, HOLD_POLL[1])
+
+    async def _read_mark_if_stale(self) -> None:
+        """Read the consumption mark again if back-pressure is on and it is older than HOLD_POLL[1]."""
+        if self.config.max_steps_ahead and self._clock() - self._mark_at > HOLD_POLL[1]:
+            await self._read_mark()
 
     async def _read_mark(self) -> None:
         mark = await self.manifest.read_consumed()
