@@ -157,10 +157,10 @@ def combine(
     limit: int = 4096,
 ) -> GroupRecord | None:
     """One group record committing every declared intent that is valid on `state`, in one version:
-    registers first (each a new incarnation, fencing older ones), then commits, oldest declared
-    first, each producer's in sequence order from its next one (what landed already is left out,
-    so an intent whose commit landed is simply done), as many TGBs as back-pressure leaves room
-    for (`room`), at most `limit` records. An intent that is not valid here (fenced, a gap in its
+    registers first (each a new incarnation, fencing older ones, saying where it resumes), then
+    commits, oldest declared first, each producer's in sequence order from its next one (what
+    landed already is left out, so an intent whose commit landed is simply done), as many TGBs as
+    back-pressure leaves room for (`room`), at most `limit` records. An intent that is not valid here (fenced, a gap in its
     producer's sequence, sealed for another mix or shape) is left out. None when nothing is left."""
     scratch = state.copy()
     left = room(state, consumed)
@@ -171,7 +171,7 @@ def combine(
         p = scratch.producers.get(r.producer)
         if p is not None and p.token == r.token:
             continue  # landed
-        reg = RegisterRecord(r.producer, (p.epoch if p else 0) + 1, r.token, r.ts)
+        reg = RegisterRecord(r.producer, (p.epoch if p else 0) + 1, r.token, r.ts, scratch.resume_of(r.producer))
         if len(taken) < limit and scratch.take(reg) is None:
             taken.append(reg)
     runs: dict[tuple[str, int], list[CommitRecord]] = {}

@@ -44,6 +44,7 @@ from ._records import (
     RecordError,
     RegisterRecord,
     ReshapeRecord,
+    Resume,
     RewindRecord,
     TgbRef,
     decode_record,
@@ -233,8 +234,10 @@ class Producer:
         return result.version
 
     async def _register_combined(self) -> None:
-        """Declare this incarnation and wait until a combiner registered it (or do it: the log
-        stood still for TAKEOVER_AFTER); the log is followed from the snapshot `load` found."""
+        """Declare this incarnation and wait until a combiner registered it (or do it: no combiner
+        moved the tail hint for TAKEOVER_AFTER). A registering producer does not follow the log:
+        it looks at its register intent, which a combiner deletes once it landed, then reads the
+        few versions that may hold it, whose register says where this incarnation resumes."""
         key = register_intent_key(self.id, self._token)
         # A register declared by an earlier incarnation of this id that died before it landed
         # would land later and fence this one: those go first (one process per producer id).
@@ -243,38 +246,77 @@ class Producer:
             await retry(lambda: self.store.delete(mine), attempts=None)
         data = encode_record(RegisterRecord(self.id, 1, self._token, self._wall()))
         await retry(lambda: self.store.put(key, data), attempts=None)
+        since = self.manifest.state.version  # it lands after this version
         # With no producer at work in the stream there is no combiner to wait for: one of those
         # registering takes over soon (a random wait spreads those that start together).
         alone = not any(p.token and not p.finished for p in self.manifest.state.producers.values())
         self._moved_at = self._clock() - (TAKEOVER_AFTER * (1 + self._rng.random()) if alone else 0.0)
         interval = LOOK_FIRST
-        while (p := self.manifest.state.producers.get(self.id)) is None or p.token != self._token:
+        while not self._registered_in(self.manifest.state):  # (a takeover follows the log)
             await anyio.sleep(interval * (0.5 + self._rng.random()))
             interval = min(interval * 1.5, LOOK_MAX)  # many register at once: look less often
-            tail = await self.manifest.read_tail()
-            if tail != self._tail:  # only combining producers write it: one is at work
-                self._tail, self._moved_at = tail, self._clock()
-            if tail is None or tail[0] > self.manifest.state.version:
-                await self.manifest.refresh()  # (producers that commit themselves move the log too)
-                p = self.manifest.state.producers.get(self.id)
-                if p is not None and p.token == self._token:
-                    break
-            if self._clock() - self._moved_at > TAKEOVER_AFTER * (1 + self._rng.random()):
-                await self._combine_round(took_over=True)
-                self._moved_at = self._clock()
+            try:
+                await retry(lambda: self.store.get(key), attempts=None)
+            except ObjectNotFound:  # landed (or an incarnation started since deleted it: fenced)
+                if (found := await self._find_register(since)) is not None:
+                    self._resumed(*found)
+                    return
+                await self._follow_to_tail()
+                if not self._registered_in(self.manifest.state):
+                    raise ProducerFenced(
+                        f"{self.manifest.url}: producer {self.id!r}: another process took the id before this one "
+                        "registered; run one process per producer id"
+                    ) from None
+                break
+            if self._clock() - self._moved_at > TAKEOVER_AFTER:
+                tail = await self.manifest.read_tail()  # only combining producers write it: one at work?
+                if tail != self._tail:
+                    self._tail, self._moved_at = tail, self._clock()
+                elif self._clock() - self._moved_at > TAKEOVER_AFTER * (1 + self._rng.random()):
+                    await self._combine_round(took_over=True)
+                    self._moved_at = self._clock()
         self._registered()
-        self._seen = self.manifest.state.version
+
+    def _registered_in(self, state: State) -> bool:
+        p = state.producers.get(self.id)
+        return p is not None and p.token == self._token
+
+    async def _find_register(self, since: int) -> tuple[int, int, Resume] | None:
+        """(version, epoch, resume) of this incarnation's register, read from the log's end (the
+        tail hint's version and any after it) back to `since`, at most MAX_SCAN versions; None if
+        none of them holds it."""
+        tail = await self.manifest.read_tail()
+        top = since if tail is None else max(since, tail[0])
+        if tail is not None:
+            self._tail_head = max(self._tail_head, tail[1])
+        datas: dict[int, bytes] = {}
+        while (data := await self.manifest.read_version(top + 1)) is not None:  # the hint is behind
+            top += 1
+            datas[top] = data
+        for v in range(top, max(since, top - MAX_SCAN), -1):
+            data = datas.get(v) or await self.manifest.read_version(v)
+            try:
+                record = decode_record(data) if data is not None else None
+            except RecordError:
+                continue
+            for r in record.records if isinstance(record, GroupRecord) else ():
+                if isinstance(r, RegisterRecord) and r.producer == self.id and r.token == self._token and r.resume:
+                    return v, r.epoch, r.resume
+        return None
 
     def _registered(self) -> None:
         p = self.manifest.state.producers[self.id]
         if p.token != self._token:  # pragma: no cover - append guarantees it
             raise ProducerFenced(f"{self.manifest.url}: producer {self.id!r} could not register")
-        self.epoch = p.epoch
-        self.cursor = p.cursor
-        # A later change of the global batch fences this incarnation, so it holds for its life.
-        self.global_batch = self.manifest.state.batch_at(self.manifest.state.head + 1)
-        self._committed_seq = p.seq
-        self._next_seq = p.seq + 1
+        self._resumed(self.manifest.state.version, p.epoch, self.manifest.state.resume_of(self.id))
+
+    def _resumed(self, version: int, epoch: int, resume: Resume) -> None:
+        """Registered as `epoch` at `version`: continue from `resume` (a later change of the global
+        batch fences this incarnation, so `resume.batch` holds for its life)."""
+        self.epoch, self.cursor, self.global_batch = epoch, resume.cursor, resume.batch
+        self._committed_seq = resume.seq
+        self._next_seq = resume.seq + 1
+        self._seen = max(self._seen, version)
         log.info(
             "%s: producer %s registered epoch %d, resuming at %s",
             self.manifest.url, self.id, self.epoch, orjson.dumps(self.cursor).decode(),

@@ -36,6 +36,7 @@ __all__ = [
     "ReleaseRecord",
     "ReopenRecord",
     "ReshapeRecord",
+    "Resume",
     "RewindRecord",
     "TgbRef",
     "check_source_name",
@@ -69,16 +70,32 @@ class CreateRecord:
 
 @dataclass(frozen=True, slots=True)
 class RegisterRecord:
-    """A producer incarnation: `epoch` is the id's previous epoch + 1, fencing older ones."""
+    """A producer incarnation: `epoch` is the id's previous epoch + 1, fencing older ones. A
+    register that a combiner commits also says where the incarnation resumes (`resume`: its `seq`,
+    `cursor` and the global batch in force after the head, as applying it leaves them; checked by
+    `State`), so that the producer learns it from this one record instead of following the log."""
 
     producer: str
     epoch: int
     token: str
     ts: float = 0.0
+    resume: Resume | None = None
     kind: ClassVar[str] = "register"
 
     def members(self) -> dict[str, Any]:
-        return {"producer": self.producer, "epoch": self.epoch, "token": self.token, "ts": self.ts}
+        m = {"producer": self.producer, "epoch": self.epoch, "token": self.token, "ts": self.ts}
+        if self.resume is not None:
+            m["resume"] = {"seq": self.resume.seq, "cursor": self.resume.cursor, "batch": self.resume.batch}
+        return m
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """Where a new incarnation resumes: its last committed `seq`, its `cursor`, the global `batch`."""
+
+    seq: int
+    cursor: Any
+    batch: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,7 +447,12 @@ def _decode(r: Any, *, inner: bool = False) -> Record:
         f.need(isinstance(pid, str) and bool(PRODUCER_ID.match(pid)), f"register: bad producer id {pid!r}")
         f.what = f"register {pid}"
         epoch = f.int("epoch", 1, why=f"register {pid}: epoch {r.get('epoch')!r} is not a positive integer")
-        return RegisterRecord(str(pid), epoch, f.str("token"), f.ts())
+        resume = None
+        if "resume" in r:
+            f.need(isinstance(r["resume"], dict), f"register {pid}: resume must be an object")
+            g = _Fields(r["resume"], f"register {pid}: resume")
+            resume = Resume(g.int("seq", -1), r["resume"].get("cursor"), g.int("batch", 1))
+        return RegisterRecord(str(pid), epoch, f.str("token"), f.ts(), resume)
     if kind == "commit":
         pid = r.get("producer")
         f.need(isinstance(pid, str), f"commit: producer {pid!r} is not registered")

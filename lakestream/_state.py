@@ -70,6 +70,7 @@ from ._records import (
     ReleaseRecord,
     ReopenRecord,
     ReshapeRecord,
+    Resume,
     RewindRecord,
     TgbRef,
     _Fields,
@@ -337,6 +338,14 @@ class State:
                 self.rejected.append((version, why))
         return "; ".join(whys) or None
 
+    def resume_of(self, producer: str) -> Resume:
+        """Where a new incarnation of `producer` registered now resumes (`RegisterRecord.resume`):
+        its last committed seq, its cursor (before its held leftover, which goes back to its source)
+        and the global batch after the head."""
+        p, held = self.producers.get(producer), self.leftovers.get(producer)
+        cursor = held.before if held is not None else p.cursor if p is not None else None
+        return Resume(p.seq if p is not None else -1, cursor, self.batch_at(self.head + 1))
+
     def take(self, record: RegisterRecord | CommitRecord) -> str | None:
         """Apply `record` as part of the group being built for the next version (the version does
         not move); None if it took effect, else why it would be a no-op there (nothing changes)."""
@@ -373,6 +382,8 @@ class State:
             prev = self.producers.get(r.producer)
             want = (prev.epoch if prev else 0) + 1
             _need(r.epoch == want, f"register {r.producer}: epoch {r.epoch!r} is not {want}")
+            if r.resume is not None:
+                _need(r.resume == self.resume_of(r.producer), f"register {r.producer}: not where it resumes")
         elif isinstance(r, CommitRecord):
             self._validate_commit(r, self.config)
             if r.packs:

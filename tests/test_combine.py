@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections import Counter
@@ -24,7 +25,9 @@ from lakestream._records import (
     CommitRecord,
     CreateRecord,
     GroupRecord,
+    RecordError,
     RegisterRecord,
+    Resume,
     TgbRef,
     decode_record,
     encode_record,
@@ -100,6 +103,34 @@ def test_a_record_of_a_group_that_is_not_valid_where_it_stands_is_a_noop_by_itse
     assert s.check_last_record(encode_record(group)) is None  # rejected records: nothing to compare
 
 
+def test_a_register_says_where_its_incarnation_resumes_and_one_that_says_otherwise_is_a_noop() -> None:
+    s = stream(0, "a")
+    s.apply(s.version + 1, encode_record(intent("a", 1, 0, 2)))  # a committed seq 0 and 1
+    group = decisions.combine(s, [RegisterRecord("a", 1, "t2")], now=1.0)
+    assert group is not None
+    (reg,) = group.records
+    assert isinstance(reg, RegisterRecord) and reg.resume == Resume(1, ["a", 1], 2)
+    assert decode_record(encode_record(group)) == group
+    wrong = [dataclasses.replace(reg, resume=r) for r in (Resume(0, ["a", 1], 2), Resume(1, ["a", 0], 2))]
+    wrong.append(dataclasses.replace(reg, resume=Resume(1, ["a", 1], 3)))
+    for bad in wrong:
+        t = s.copy()
+        assert "not where it resumes" in (t.check(GroupRecord((bad,), 1.0)) or "")
+        t.apply(t.version + 1, encode_record(GroupRecord((bad,), 1.0)))
+        assert t.producers["a"].token == "t-a" and t.rejected  # a no-op: the old incarnation stands
+    s.apply(s.version + 1, encode_record(group))
+    assert not s.rejected and s.producers["a"].epoch == 2 and s.check_last_record(encode_record(group)) is None
+
+
+@pytest.mark.parametrize(
+    "resume", [1, [], {"seq": -2, "batch": 2}, {"seq": 0, "batch": 0}, {"seq": "0", "batch": 2}, {"seq": 0}]
+)
+def test_a_malformed_resume_makes_the_register_malformed(resume: object) -> None:
+    data = orjson.dumps({"kind": "register", "producer": "a", "epoch": 1, "token": "t", "resume": resume})
+    with pytest.raises(RecordError):
+        decode_record(data)
+
+
 @pytest.mark.parametrize(
     "records",
     [
@@ -154,6 +185,9 @@ def test_combine_takes_every_valid_intent_exactly_once_in_sequence_within_room(
     assert s.check(group) is None
     s.apply(s.version + 1, encode_record(group))
     assert not s.rejected
+    for r in group.records:  # a register says where its (here: first) incarnation resumes
+        if isinstance(r, RegisterRecord):
+            assert r.resume == Resume(-1, None, 2) and s.producers[r.producer].epoch == r.epoch == 1
     new = [x for x in s.steps]
     assert len(new) <= max(0, room) or not limit
     seen = {(x.producer, x.seq) for x in new}
@@ -343,3 +377,37 @@ async def test_a_register_declared_by_a_dead_incarnation_does_not_fence_the_next
         p = await produce(store, "c", 3, combine=True)  # fenced by the stale register, it would raise
     state = await lakestream.load_state(store)
     assert state.producers["c"].epoch == p.epoch == 1 and [s.producer for s in state.steps] == ["c"] * 3
+
+
+async def test_a_registering_producer_reads_the_version_that_registers_it_not_the_log() -> None:
+    """The register a combiner commits says where the new incarnation resumes, so it need not
+    follow the log while it waits: here its dead incarnation's last TGB lands after it loaded the
+    stream, among a hundred versions it never reads, and it resumes after that TGB."""
+    store = MemoryStore()
+    await lakestream.create(store, world_size=W, global_batch=2)
+    m = Manifest(store)
+    await m.load()
+    for pid in ("a", "b"):
+        await m.append(lambda st, _, pid=pid: decisions.register(st, pid, "t-" + pid, 0.0))
+    await m.append(lambda st, _: intent("b", 1, 0))
+    p = lakestream.Producer(store, "b", combine=True)
+    since = loaded = -1
+
+    async def land() -> None:
+        nonlocal since, loaded
+        with anyio.fail_after(10):
+            while not await store.list("_lakestream/intents/b/r-"):
+                await anyio.sleep(0.01)
+        since, loaded = p.manifest.state.version, p.manifest.requests
+        await m.append(lambda st, _: intent("b", 1, 1))  # the dead incarnation's, declared before it died
+        for i in range(100):
+            await m.append(lambda st, _, i=i: CheckpointRecord(f"c{i}", 0))
+        assert await Combiner(m).round(None, 1.0) is not None  # registers b (and deletes its intent)
+        await m.write_tail(m.state.version, m.state.head)  # as a combining producer does
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(land)
+            async with p:
+                assert (p.epoch, p.committed_seq, p.cursor, p.global_batch) == (2, 1, ["b", 1], 2)
+                assert p.manifest.state.version == since and p.manifest.requests - loaded <= 4
