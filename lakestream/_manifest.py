@@ -56,6 +56,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import anyio
 import orjson
@@ -69,7 +70,9 @@ from ._state import Config, State
 from ._store import ObjectStore
 from ._tasks import task_group
 
-__all__ = ["LOG_PREFIX", "SNAPSHOT_PREFIX", "AppendResult", "Manifest", "create_stream", "log_key", "snapshot_key"]
+__all__ = [
+    "LOG_PREFIX", "SNAPSHOT_PREFIX", "AppendResult", "Manifest", "Tail", "create_stream", "log_key", "snapshot_key",
+]  # fmt: skip
 
 MAX_WINDOW = 32
 RATE_HORIZON = 5.0  # seconds over which the log's growth rate is averaged
@@ -111,6 +114,18 @@ class AppendResult:
     conflicts: int  # races lost to other writers before it landed
     probe_latency: float  # the read round that last found the tail
     put_latency: float  # the last conditional put
+
+
+class Tail(NamedTuple):
+    """The tail hint: the log's `version` and `head` when a combiner wrote it; `beat` counts its
+    rounds that committed nothing, so that producers waiting for it can tell a combiner at work
+    (held by back-pressure) from none; `rules` is `State.rules_digest()` there (-1: not given), so
+    that a producer starting from a snapshot knows whether the versions since changed the rules."""
+
+    version: int
+    head: int
+    beat: int
+    rules: int
 
 
 class Manifest:
@@ -156,8 +171,10 @@ class Manifest:
     async def _get(self, key: str) -> bytes | None:
         return await retry(lambda: _get_or_none(self.store, key), attempts=self._attempts)
 
-    async def load(self) -> State:
-        """(Re)build the state from the newest usable snapshot and the log after it.
+    async def load(self, *, follow: bool = True) -> State:
+        """(Re)build the state from the newest usable snapshot and the log after it; without
+        `follow`, from the newest snapshot alone (or, with none, version 0): a view that may be
+        behind the log, for a combining producer (see `Producer`).
 
         Raises StreamNotFound if the stream was never created, CorruptData if no usable snapshot
         covers a hole in the log (versions missing below others that exist).
@@ -168,6 +185,10 @@ class Manifest:
         state, hinted = await self._newest_snapshot()
         self.state = state or State()
         self.confirmed_at = started  # the hint is as fresh as the moment it was read (rule 1)
+        if not follow and state is None and (data := await self.read_version(0)) is not None:
+            self.state.apply(0, data)
+        if not follow and self.state.config is not None:
+            return self.state
         await self.refresh()
         if not hinted:
             await self._check_log_is_whole()
@@ -451,16 +472,17 @@ class Manifest:
 
     # -- hints: where the log ends, what the trainer consumed ------------------------------------
 
-    async def _small_object(self, key: str, fields: tuple[str, ...]) -> tuple[int, ...] | None:
+    async def _small_object(self, key: str, fields: tuple[str, ...], optional: str = "") -> tuple[int, ...] | None:
         """The integers `fields` of the small JSON object at `key` (a hint anyone could have
-        written: validated, and None with a warning when it is not what it should be)."""
+        written: validated, and None with a warning when it is not what it should be); the
+        `optional` last field reads -1 when absent."""
         data = await self._get(key)
         self.requests += 1
         if data is None:
             return None
         try:
             d = orjson.loads(data[:256])
-            values = tuple(d[f] for f in fields)
+            values = tuple(d[f] if f != optional else d.get(f, -1) for f in fields)
         except (ValueError, KeyError, TypeError):
             values = ()
         if len(values) != len(fields) or not all(type(v) is int and -1 <= v < 1 << 63 for v in values):
@@ -468,16 +490,14 @@ class Manifest:
             return None
         return values
 
-    async def read_tail(self) -> tuple[int, int, int] | None:
-        """(version, head, beat) where the log ended when its last writer wrote the tail hint, or
-        None; `beat` counts a combiner's rounds that committed nothing, so that producers waiting
-        for it can tell a combiner at work (held by back-pressure) from none. A hint: it may be
-        behind (a slower writer's), never trusted for more than where to look."""
-        tail = await self._small_object(TAIL_KEY, ("version", "head", "beat"))
-        return None if tail is None else (tail[0], tail[1], tail[2])
+    async def read_tail(self) -> Tail | None:
+        """Where the log ended when its last writer wrote the tail hint, or None (see `Tail`). A
+        hint: it may be behind (a slower writer's), never trusted for more than where to look."""
+        tail = await self._small_object(TAIL_KEY, ("version", "head", "beat", "rules"), optional="rules")
+        return None if tail is None else Tail(*tail)
 
-    async def write_tail(self, version: int, head: int, beat: int = 0) -> None:
-        await self.store.put(TAIL_KEY, orjson.dumps({"version": version, "head": head, "beat": beat}))
+    async def write_tail(self, version: int, head: int, beat: int = 0, rules: int = -1) -> None:
+        await self.store.put(TAIL_KEY, orjson.dumps({"version": version, "head": head, "beat": beat, "rules": rules}))
         self.requests += 1
 
     async def read_consumed(self) -> int | None:

@@ -33,16 +33,20 @@ from ._batching import assign_ranks, mix_counts, pack_plan, packed_cursor
 from ._combine import Combiner
 from ._errors import CorruptData, InvalidSample, ObjectNotFound, ProducerFenced, SegmentLost
 from ._layout import COST_FIELD, INTENTS_PREFIX, intent_key, register_intent_key, segment_key
-from ._manifest import Manifest
+from ._manifest import Manifest, Tail
 from ._pacing import AttemptOutcome, CommitPolicy, Observation, make_policy
 from ._records import (
+    CheckpointRecord,
     CloseRecord,
     CommitRecord,
+    FinishRecord,
     GroupRecord,
     MixRecord,
+    ReclaimRecord,
     Record,
     RecordError,
     RegisterRecord,
+    ReleaseRecord,
     ReshapeRecord,
     Resume,
     RewindRecord,
@@ -84,6 +88,10 @@ COMBINE_SNAPSHOT_EVERY = 64  # versions between a combiner's snapshots (at most 
 BEAT_EVERY = 1.0  # a combiner that commits nothing while TGBs are declared says so this often
 TAKEOVER_AFTER = 2.0
 STICKY = 30.0
+
+
+# Records that leave the rules as they are (`State.rules_digest`).
+_KEEP_RULES = (GroupRecord, CommitRecord, RegisterRecord, FinishRecord, CheckpointRecord, ReleaseRecord, ReclaimRecord)
 
 
 @dataclass(slots=True)
@@ -179,7 +187,7 @@ class Producer:
         self._rng = self.manifest.rng  # jitter: seeded where the manifest's is
         self._seen = -1  # the log version up to which this producer looked for its own commits
         self._tail_head = -1  # the head the tail hint last said
-        self._tail: tuple[int, int, int] | None = None  # the tail hint as last read
+        self._tail: Tail | None = None  # the tail hint as last read
         self._beat = 0  # rounds of this combiner that committed nothing (see `Manifest.read_tail`)
         self._beat_at = -math.inf
         self._last_round = 0  # TGBs the last combine round committed
@@ -199,7 +207,7 @@ class Producer:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def __aenter__(self) -> Producer:
-        state = await self.manifest.load()
+        state = await (self._load_from_snapshot() if self.combine else self.manifest.load())
         assert state.config is not None
         self.config = state.config
         version = await (self._register_combined() if self.combine else self._register())
@@ -226,6 +234,26 @@ class Producer:
         """Stop at once: uploads and commits in progress are abandoned (never half-visible)."""
         tg, self._tg = self._tg, None
         await cancel_task_group(tg)
+
+    async def _load_from_snapshot(self) -> State:
+        """A combining producer starts from the newest snapshot, not the log after it (thousands
+        start together): the tail hint says whether the versions up to it changed the rules (see
+        `Tail`), and the few after it (a combiner writes the hint after its version) are read to
+        see that they did not. Else, or with no hint, it follows the log."""
+        state = await self.manifest.load(follow=False)
+        tail = await self.manifest.read_tail()
+        if tail is not None and tail.version >= state.version and tail.rules == state.rules_digest():
+            for v in range(tail.version + 1, tail.version + 1 + MAX_SCAN):
+                if (data := await self.manifest.read_version(v)) is None:
+                    self._tail, self._tail_head = tail, tail.head
+                    return state
+                try:
+                    if not isinstance(decode_record(data), _KEEP_RULES):
+                        break
+                except RecordError:
+                    continue  # a no-op
+        await self.manifest.refresh()
+        return state
 
     async def _register(self) -> int | None:
         result = await self.manifest.append(lambda st, _: decisions.register(st, self.id, self._token, self._wall()))
@@ -327,8 +355,7 @@ class Producer:
     def mix_now(self) -> tuple[int | None, tuple[tuple[str, float], ...] | None]:
         """(version, weights) of the mixture in force at the step the next TGB would take (after the
         head as this producer last saw the log, and its own TGBs sealed before), or (None, None)."""
-        state = self.manifest.state
-        m = state.mix_at(state.head + 1 + len(self._pending))  # where it lands if no other producer commits first
+        m = self.manifest.state.mix_at(self._head() + 1 + len(self._pending))  # if no other producer commits first
         return (m.version, m.weights) if m else (None, None)
 
     async def drop_source(self, source: str) -> None:
@@ -654,8 +681,8 @@ class Producer:
 
     async def _upload(self, tgb: _Tgb) -> None:
         try:
-            state = self.manifest.state  # sealed for the world size in force after the head; readers re-slice otherwise
-            ranks = assign_ranks(tgb.costs, len(tgb.samples), state.world_at(state.head + 1))
+            # Sealed for the world size in force after the head; readers re-slice otherwise.
+            ranks = assign_ranks(tgb.costs, len(tgb.samples), self.manifest.state.world_at(self._head() + 1))
             parts = [[tgb.samples[i] for i in r] for r in ranks]
             data, slices = await anyio.to_thread.run_sync(encode_segment, parts, self._checksum)
             key = segment_key(self.id, self.epoch, tgb.seq, self._wall())
@@ -882,11 +909,11 @@ class Producer:
         if result.version is not None:
             self.stats.commits += 1
             self._appended(result.version, tail=False)
-            await self._write_tail(state.version, state.head, self._beat)
+            await self._write_tail(state.version, state.head, self._beat, state.rules_digest())
         elif self._clock() - self._beat_at >= BEAT_EVERY:
             # Declared TGBs wait (back-pressure, or not valid): say that a combiner is at work.
             self._beat, self._beat_at = self._beat + 1, self._clock()
-            await self._write_tail(state.version, state.head, self._beat)
+            await self._write_tail(state.version, state.head, self._beat, state.rules_digest())
         if result.conflicts and not self._leads():
             self._combining_until = -math.inf  # another combiner is at work: leave it to it
         elif took_over or self._clock() < self._combining_until:
@@ -956,6 +983,11 @@ class Producer:
                     lost += p.lost
                     commits += 1
         return active, lost, commits
+
+    def _head(self) -> int:
+        """The head: as the log view has it, or the tail hint if newer (a combining producer's view
+        lags the log, except for the rules, which the hint says are the same)."""
+        return max(self.manifest.state.head, self._tail_head)
 
     def _ready(self) -> list[_Tgb]:
         ready = []
@@ -1028,14 +1060,15 @@ class Producer:
         if self._tg is None:
             return
         if tail and self.combine:  # (a stream's producers that commit themselves follow the log)
-            self._tg.start_soon(self._write_tail, version, self.manifest.state.head)
+            state = self.manifest.state
+            self._tg.start_soon(self._write_tail, version, state.head, 0, state.rules_digest())
         every = min(self.config.snapshot_every, COMBINE_SNAPSHOT_EVERY) if self.combine else self.config.snapshot_every
         if version % every == 0:
             self._tg.start_soon(self._snapshot, self.manifest.state.copy())
 
-    async def _write_tail(self, version: int, head: int, beat: int = 0) -> None:
+    async def _write_tail(self, version: int, head: int, beat: int, rules: int) -> None:
         try:
-            await self.manifest.write_tail(version, head, beat)
+            await self.manifest.write_tail(version, head, beat, rules)
         except Exception as e:  # best effort: a stale tail costs a held producer a log read
             log.debug("%s: tail hint at version %d failed: %s", self.manifest.url, version, e)
 

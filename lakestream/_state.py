@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -337,6 +338,13 @@ class State:
                 whys.append(why := f"group record {i}: {e}")
                 self.rejected.append((version, why))
         return "; ".join(whys) or None
+
+    def rules_digest(self) -> int:
+        """A digest of what decides where a producer's TGB may go, besides the producers and the
+        head: the rewinds, shapes, mixtures and the close (the tail hint carries it, so that a
+        producer starting from a snapshot knows whether the versions after it changed them)."""
+        mixes = [(m.from_step, m.version) for m in self.mixes]
+        return zlib.crc32(orjson.dumps([self.rewinds, self.shapes, mixes, self.closed_after]))
 
     def resume_of(self, producer: str) -> Resume:
         """Where a new incarnation of `producer` registered now resumes (`RegisterRecord.resume`):

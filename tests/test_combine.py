@@ -411,3 +411,22 @@ async def test_a_registering_producer_reads_the_version_that_registers_it_not_th
             async with p:
                 assert (p.epoch, p.committed_seq, p.cursor, p.global_batch) == (2, 1, ["b", 1], 2)
                 assert p.manifest.state.version == since and p.manifest.requests - loaded <= 4
+
+
+async def test_a_combining_producer_starts_from_the_snapshot_unless_the_log_after_it_changed_the_rules() -> None:
+    store = MemoryStore()
+    await lakestream.create(store, world_size=1, global_batch=1)
+    with anyio.fail_after(30):
+        await produce(store, "a", 6, combine=True)  # its last version writes the tail hint
+    m = Manifest(store)
+    await m.load()
+    await m.write_snapshot(m.state.to_json(), m.state.version)
+    for i in range(20):  # after the tail hint: versions that leave the rules alone
+        await lakestream.checkpoint(store, f"c{i}", 0)
+    b = lakestream.Producer(store, "b", combine=True)
+    state = await b._load_from_snapshot()
+    assert state.version == m.state.version  # the versions after the hint were only looked at
+    await lakestream.close(store, after_step=7)  # a version after the hint that changes them
+    c = lakestream.Producer(store, "c", combine=True)
+    state = await c._load_from_snapshot()
+    assert state.version == m.state.version + 21 and state.closed_after == 7
