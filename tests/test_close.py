@@ -212,6 +212,6 @@ def test_a_stream_dataset_with_no_stop_ends_at_the_close(tmp_path) -> None:
     run_cli("close", url, check=True)
     ds = StreamDataset(url, rank=0, world_size=1)
     assert [item["step"] for item in torch_.utils.data.DataLoader(ds, batch_size=None)] == [0, 1, 2]
-    assert ds.state_dict() == {"next_step": 3}
+    assert ds.state_dict() == {"next_step": 3, "done": True}
     loader = torch_.utils.data.DataLoader(StreamDataset(url, rank=0, world_size=1), batch_size=None, num_workers=2)
     assert sorted(item["step"] for item in loader) == [0, 1, 2]  # each worker's share ends

@@ -857,9 +857,9 @@ class LakeFS(pyfuse3.Operations):
         latest = await self.getattr(RANK_BASE + 2 * r + 1)
         if start_id == 0 and s.head >= s.first_step and not pyfuse3.readdir_reply(token, LATEST_NAME, latest, 1):
             return
-        if start_id <= 1 and s.ended:
-            if not pyfuse3.readdir_reply(token, END_NAME, await self.getattr(END_BASE + r), 2):
-                return
+        end = await self.getattr(END_BASE + r) if start_id <= 1 and s.ended else None
+        if end is not None and not pyfuse3.readdir_reply(token, END_NAME, end, 2):
+            return
         for n in range(max(s.first_step, start_id - 2 if start_id > 2 else 0), s.head + 1):
             entry, world = s.step(n), s.world_at(n)
             if entry is None or r >= world:
