@@ -41,6 +41,7 @@ from ._gc import GcReport
 from ._gc import gc as _gc
 from ._lifecycle import checkpoint as _checkpoint
 from ._lifecycle import close as _close
+from ._lifecycle import close_when_done as _close_when_done
 from ._lifecycle import mix as _mix
 from ._lifecycle import release as _release
 from ._lifecycle import reopen as _reopen
@@ -95,6 +96,7 @@ __all__ = [
     "VerifyReport",
     "checkpoint",
     "close",
+    "close_when_done",
     "create",
     "gc",
     "load_state",
@@ -217,6 +219,16 @@ async def close(target: Target, *, after_step: int | None = None) -> State:
     closed after another step. Returns the new state."""
     async with _store_for(target) as store:
         return await _close(store, after_step=after_step)
+
+
+async def close_when_done(target: Target, *, waiting: Callable[[list[str]], None] | None = None) -> State:
+    """Close the stream after its last step once every producer of it has finished its source and
+    the short last step, if any, is committed (what `produce --close-when-done` and `fleet --close`
+    do); wait, following the log, while producers are still producing (`waiting` is called with
+    their ids whenever they change). One close record results however many call it, and it never
+    hides a committed step. Returns the state with the close."""
+    async with _store_for(target) as store:
+        return await _close_when_done(store, waiting=waiting)
 
 
 async def reopen(target: Target) -> State:

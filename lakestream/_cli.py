@@ -250,6 +250,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="hold back a final partial global batch instead of committing a short last step",
     )
+    p.add_argument("--close-when-done", action="store_true",
+                   help="once the source is done and every producer of the stream has finished (waiting for those "
+                        "still producing), close the stream after its last step (see 'lakestream close')")  # fmt: skip
     p.add_argument("--on-source-end", choices=["stop", "renormalize"], default="stop",
                    help="named sources: when one ends, end the run (stop, the default) or go on with the others, "
                         "recording the mixture without it (renormalize)")  # fmt: skip
@@ -298,6 +301,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shuffle-seed", type=_integer, default=None, metavar="S", help="as for produce")
     p.add_argument("--drop-last", action="store_true",
                    help="as for produce: each producer commits whole global batches only")  # fmt: skip
+    p.add_argument("--close", action="store_true",
+                   help="once every producer has finished (those of the stream outside the fleet too), close the "
+                        "stream after its last step, as produce --close-when-done; not if a producer failed")  # fmt: skip
     p.add_argument("--max-restarts", type=_integer, default=-1, metavar="R",
                    help="restarts allowed per actor (-1: no limit)")  # fmt: skip
     p.add_argument("--ray-address", default=None, metavar="ADDRESS",
@@ -636,12 +642,15 @@ async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Produc
     else:
         source = SyntheticSource(a.synthetic, a.sample_size, prefix=f"{a.producer_id}-", work_ms=a.work_ms)
     store = lakestream.open_store(a.url)
+    closed = None
     try:
         r = await produce(
             store, a.producer_id, source, map=a.map, workers=a.workers, on_error=a.on_error,
             drop_last=a.drop_last, on_source_end=a.on_source_end, rate=a.rate, on_open=producers.append,
             max_inflight_bytes=a.max_inflight_bytes, policy=policy,
         )  # fmt: skip
+        if a.close_when_done:
+            closed = await lakestream.close_when_done(store, waiting=lambda busy: _waiting_to_close(a.url, busy))
     finally:
         with anyio.CancelScope(shield=True):  # closed whole even when interrupted: no half-closed client
             await store.aclose()
@@ -671,6 +680,13 @@ async def _run_producer(a: argparse.Namespace, producers: list[lakestream.Produc
         )
     if r.ended:
         print(_source_end(r, a.on_source_end))
+    if closed is not None:
+        print(f"every producer has finished: {a.url} is closed after step {closed.closed_after}")
+
+
+def _waiting_to_close(url: str, busy: list[str]) -> None:
+    what = f"producer{'s' if len(busy) > 1 else ''} {', '.join(busy)} to finish" if busy else "the short last step"
+    print(f"lakestream produce: waiting for {what} before closing {url}", file=sys.stderr, flush=True)
 
 
 def _source_end(r: ProduceReport, policy: str) -> str:
@@ -1034,7 +1050,7 @@ def _fleet(a: argparse.Namespace) -> int:
             a.url, a.source, a.producers, name=a.name, map=a.map, workers_per_producer=a.workers_per_producer,
             on_error=a.on_error, key_column=a.key_column, split=a.split, epochs=a.epochs,
             shuffle_seed=a.shuffle_seed, drop_last=a.drop_last, max_restarts=a.max_restarts, ray_address=a.ray_address,
-            metrics_port=a.metrics_port, metrics_addr=a.metrics_addr,
+            metrics_port=a.metrics_port, metrics_addr=a.metrics_addr, close=a.close,
         )  # fmt: skip
     print(orjson.dumps(report.to_dict()).decode() if a.json else report.summary())
     if not report.ok:

@@ -24,6 +24,7 @@ import uuid
 __all__ = [
     "CONSUMED_KEY",
     "COST_FIELD",
+    "END_NAME",
     "HINT_KEY",
     "INTENTS_PREFIX",
     "KEY_FIELD",
@@ -66,6 +67,7 @@ SOURCE_FIELD = "__source__"  # the field naming a sample's source under a mixtur
 STATUS_NAME = "_status.json"  # the mount's status file, at its root
 META_NAME = "_meta.json"  # the mount's index of one rank slice, in its step directory
 LATEST_NAME = "latest"  # the mount's symlink to a rank's newest step
+END_NAME = "END"  # the mount's file in a rank directory once the stream ended (closed, its last step committed)
 RESERVED_FIELDS = frozenset({KEY_FIELD, COST_FIELD, SOURCE_FIELD})  # what a source's own data may not name a field
 RESERVED_KEYS = frozenset({STATUS_NAME.removesuffix(".json"), META_NAME.removesuffix(".json")})
 

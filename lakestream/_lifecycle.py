@@ -14,12 +14,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import anyio
+
 from . import _decisions as decisions
 from ._manifest import Manifest
+from ._records import CloseRecord
 from ._state import State
 from ._store import ObjectStore
 
-__all__ = ["checkpoint", "close", "mix", "release", "reopen", "reshape", "rewind"]
+__all__ = ["checkpoint", "close", "close_when_done", "mix", "release", "reopen", "reshape", "rewind"]
 
 
 async def checkpoint(
@@ -89,6 +92,44 @@ async def close(store: ObjectStore, *, after_step: int | None = None, wall: Call
     await m.load()
     await m.append(lambda st, _: decisions.close(st, after_step, wall(), store.url))
     return m.state
+
+
+async def close_when_done(
+    store: ObjectStore,
+    *,
+    waiting: Callable[[list[str]], None] | None = None,
+    poll: tuple[float, float] = (0.05, 2.0),
+    wall: Callable[[], float] = time.time,
+) -> State:
+    """Close the stream after its head once every producer of it has finished (a `finish` record
+    since it last registered) and their held leftovers are packed into the short last step: the
+    end of a finite dataset. Until then it follows the log (polling from `poll[0]` up to `poll[1]`
+    seconds), calling `waiting(producers)` whenever the producers still producing change (an empty
+    list: leftovers wait to be packed). The close is decided on the state its record follows, so it
+    never lands while a producer may still commit, nor before a step committed meanwhile; of
+    several callers, one appends it. Returns the state with the close (the same if the stream was
+    closed already, perhaps after a later step)."""
+    m = Manifest(store, retries=None)  # a store outage is waited out, as producers do
+    await m.load()
+
+    def decide(st: State, _: int) -> CloseRecord | None:
+        if st.closed_after is not None or st.unfinished() or st.leftovers:
+            return None
+        return decisions.close(st, None, wall(), store.url)
+
+    delay, version, shown = poll[0], m.state.version, None
+    while True:
+        await m.append(decide, fresh=True)
+        st = m.state
+        if st.closed_after is not None:
+            return st
+        busy = st.unfinished()
+        if waiting is not None and busy != shown:
+            waiting(busy)
+        shown = busy
+        delay = poll[0] if st.version != version else min(delay * 2, poll[1])
+        version = st.version
+        await anyio.sleep(delay)
 
 
 async def reopen(store: ObjectStore, *, wall: Callable[[], float] = time.time) -> State:

@@ -52,6 +52,7 @@ class FleetReport:
     skipped: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # producer id -> why it failed for good
     seconds: float = 0.0
+    closed_after: int | None = None  # with close: the step the stream was closed after
 
     @property
     def ok(self) -> bool:
@@ -61,7 +62,7 @@ class FleetReport:
         return {
             "producers": self.producers, "samples": self.samples, "steps": self.steps, "bytes": self.bytes,
             "restarts": self.restarts, "skipped": self.skipped, "failed": self.failed, "seconds": self.seconds,
-            "ok": self.ok,
+            "closed_after": self.closed_after, "ok": self.ok,
         }  # fmt: skip
 
     def summary(self) -> str:
@@ -69,6 +70,7 @@ class FleetReport:
             f"fleet of {self.producers}: {self.samples} samples, {self.steps} steps, {self.bytes / 1e6:.1f} MB, "
             f"{self.restarts} restarts, {len(self.skipped)} skipped in {self.seconds:.1f} s"
             + "".join(f"; {p} failed: {why}" for p, why in self.failed.items())
+            + (f"; the stream is closed after step {self.closed_after}" if self.closed_after is not None else "")
         )
 
     def reason(self) -> str:
@@ -100,6 +102,7 @@ def run_fleet(
     ray_address: str | None = None,
     metrics_port: int | None = None,
     metrics_addr: str = "127.0.0.1",
+    close: bool = False,
 ) -> FleetReport:
     """Run `producers` producer actors on Ray until every one has finished its share of `source`.
 
@@ -112,7 +115,9 @@ def run_fleet(
     Every producer id is registered before any actor starts, so that one whose share ends before
     another actor has started holds its partial last global batch back: the last producer to finish
     packs them (only the stream's last step is short). `drop_last`: each producer commits whole
-    global batches only, as `produce --drop-last`.
+    global batches only, as `produce --drop-last`. `close`: once every actor has finished, and every
+    other producer of the stream too (waiting for them), close the stream after its last step
+    (`lakestream.close_when_done`); not when a producer failed for good.
 
     Before the cluster is reached, the source is opened here (it must open here as on the cluster) and
     must hold a file (hf: a row) for every producer, and `map` is loaded. A producer that fails for
@@ -165,6 +170,8 @@ def run_fleet(
         skipped.update(outcome.get("skipped", ()))
     report.skipped = sorted(skipped)
     _count_committed(report, before, after, ids)
+    if close and report.ok:
+        report.closed_after = anyio.run(lakestream.close_when_done, url).closed_after
     return report
 
 

@@ -28,7 +28,10 @@ cannot be collated (ValueError).
 
 `state_dict()` is `{"next_step": n}`, the step after the last one yielded; each new iterator starts
 at `state_dict()["next_step"]` (the `start` option at first), so iterating again continues the
-stream, and `load_state_dict()` sets where the next iterator starts.
+stream, and `load_state_dict()` sets where the next iterator starts. Once an iteration with
+`stop=None` ended at the end of a closed stream, the state says the stream is done:
+`{"next_step": n, "done": True}`; an iterator of a dataset in that state (or resumed from it)
+yields nothing. To read on after a `lakestream reopen`, load `{"next_step": n}`.
 
 DataLoader workers (`num_workers=W > 0`): the steps are sharded across workers so that
 DataLoader's round-robin over workers yields them in order: worker w reads steps n+w, n+w+W, …
@@ -317,7 +320,7 @@ class _StreamIterator(Iterator[dict[str, Any]]):
         start, self._stride = dataset._begin()
         stop = dataset.stop
         self._source: _Source | None = None
-        if stop is not None and start >= stop:
+        if (stop is not None and start >= stop) or dataset._done:
             return
         options = {"prefetch": dataset.prefetch, **dataset.reader_options}
         if dataset.collate:
@@ -342,6 +345,8 @@ class _StreamIterator(Iterator[dict[str, Any]]):
             raise
         if batch is _DONE:
             self.close()
+            if self._dataset.stop is None:
+                self._dataset._done = True  # the stream ended: it was closed before the next step
             raise StopIteration
         self._dataset._next_step = batch.step + self._stride
         if batch.columns is not None:
@@ -367,12 +372,14 @@ class _Resumable:
     DataLoader worker (as torchdata's StatefulDataLoader calls them there)."""
 
     _next_step: int  # in a worker that has iterated: this worker's own next step
+    _done: bool  # an iteration with no stop ended at the end of a closed stream
     _worker: tuple[int, int] | None  # (id, num_workers) of that worker; None: the position of step n
     _read_by_workers: Any  # a byte shared with the copies of DataLoader workers: 1 once one iterates
     _rank_defaulted: bool
 
     def _init_position(self, start: int) -> None:
         self._next_step = start
+        self._done = False
         self._worker = None
         self._read_by_workers = multiprocessing.RawValue("b", 0)
 
@@ -401,13 +408,15 @@ class _Resumable:
         return self._next_step, info.num_workers
 
     def state_dict(self) -> dict[str, int]:
-        """`{"next_step": n}`: the step after the last one yielded (where the next iterator starts).
+        """`{"next_step": n}`: the step after the last one yielded (where the next iterator starts),
+        with `"done": True` once an iteration with no stop ended at the end of a closed stream.
 
         In a DataLoader worker that has iterated: `{"next_step": m, "worker": id, "num_workers": W}`,
         m the next step of this worker's share. In the training process once DataLoader workers
         have read the dataset: RuntimeError (the workers' copies advance, this one does not)."""
+        done = {"done": True} if self._done else {}
         if self._worker is not None:
-            return {"next_step": self._next_step, "worker": self._worker[0], "num_workers": self._worker[1]}
+            return {"next_step": self._next_step, "worker": self._worker[0], "num_workers": self._worker[1]} | done
         if self._read_by_workers.value and torch.utils.data.get_worker_info() is None:
             raise RuntimeError(
                 f"{type(self).__name__}.state_dict(): DataLoader worker processes read this dataset, so "
@@ -417,12 +426,17 @@ class _Resumable:
                 "DataLoader, {'next_step': item['step'] + 1} of the last item trained on "
                 "(restore it with ds.load_state_dict before iterating)"
             )
-        return {"next_step": self._next_step}
+        return {"next_step": self._next_step} | done
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Make the next iterator start at `state["next_step"]` (a worker's state: in that worker)."""
+        """Make the next iterator start at `state["next_step"]` (a worker's state: in that worker);
+        with `"done": True`, end at once (the stream had ended)."""
         n = state["next_step"]
         _check_steps(n, None)
+        done = state.get("done", False)
+        if type(done) is not bool:
+            raise ValueError(f"{type(self).__name__} state: 'done' must be a bool, got {done!r}")
+        self._done = done
         if "worker" not in state:
             self._next_step, self._worker = n, None
             if torch.utils.data.get_worker_info() is None:
@@ -505,16 +519,26 @@ class _MountIterator(Iterator[dict[str, Any]]):
 
     def __next__(self) -> dict[str, Any]:
         stop = self._dataset.stop
-        if stop is not None and self._step >= stop:
+        if (stop is not None and self._step >= stop) or self._dataset._done:
             raise StopIteration
         step = self._step
-        if self._dataset.collate:
-            item = _collated(step, self._dataset.read_columns(step))
-        else:
-            item = {"step": step, "samples": self._dataset.read_step(step)}
+        try:
+            if self._dataset.collate:
+                item = _collated(step, self._dataset.read_columns(step))
+            else:
+                item = {"step": step, "samples": self._dataset.read_step(step)}
+        except _Ended:
+            if stop is not None:
+                raise
+            self._dataset._done = True
+            raise StopIteration from None
         self._step += self._stride
         self._dataset._next_step = self._step
         return item
+
+
+class _Ended(lakestream.StepUnavailable):
+    """The mounted stream is closed before the step asked for: it will never be committed."""
 
 
 class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignore[type-arg]
@@ -522,6 +546,9 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
 
     For step n it lists `MOUNTPOINT/rank-<r>/<n:012d>/` (the mount's lookup waits for the step to
     be committed, up to its `--wait`; after that this retries until `timeout`, None: forever),
+    unless the stream is closed before step n (the lookup fails at once and `_status.json` says
+    `closed_after`: with `stop=None` the iteration ends there; reading such a step raises
+    StepUnavailable),
     reads `_meta.json` for the keys and files in put order, and decodes every `<key>.<field>` file
     with `decode_file` (exact with `_meta.json`'s "types", else guessed from the extension).
     With `collate`, a field whose files are `.npy` of one dtype and shape for every sample is read
@@ -645,6 +672,9 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
                     if misses > 1:
                         raise
                     continue
+                end = status.get("closed_after")
+                if type(end) is int and step > end:
+                    raise _Ended(f"{d}: the stream is closed after step {end}") from None
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"{d}: step {step} not committed within {self.timeout} s") from None
                 time.sleep(self.retry_interval)

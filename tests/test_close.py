@@ -7,7 +7,7 @@ import time
 import anyio
 import orjson
 import pytest
-from cliutil import describe, run_cli, spawn_cli
+from cliutil import describe, run_cli, spawn_cli, wait_until
 
 import lakestream
 from lakestream import StreamClosed
@@ -212,6 +212,115 @@ def test_a_stream_dataset_with_no_stop_ends_at_the_close(tmp_path) -> None:
     run_cli("close", url, check=True)
     ds = StreamDataset(url, rank=0, world_size=1)
     assert [item["step"] for item in torch_.utils.data.DataLoader(ds, batch_size=None)] == [0, 1, 2]
-    assert ds.state_dict() == {"next_step": 3}
+    assert ds.state_dict() == {"next_step": 3, "done": True}
     loader = torch_.utils.data.DataLoader(StreamDataset(url, rank=0, world_size=1), batch_size=None, num_workers=2)
     assert sorted(item["step"] for item in loader) == [0, 1, 2]  # each worker's share ends
+
+
+# -- closing once every producer has finished ------------------------------------------------------
+
+
+async def log_records(url: str) -> list[object]:
+    """Every record of the stream's log, in order."""
+    from lakestream._manifest import Manifest
+    from lakestream._records import decode_record
+
+    async with lakestream.open_store(url) as store:
+        m = Manifest(store)
+        await m.load()
+        out = []
+        for v in range(m.state.version + 1):
+            data = await m.read_version(v)
+            assert data is not None, v
+            out.append(decode_record(data))
+        return out
+
+
+async def test_close_when_done_waits_for_every_producer_and_closes_once(closing) -> None:
+    """Three callers wait while producer q produces; once it has finished and packed its short last
+    step, exactly one close record lands, after that step."""
+    url, put = closing
+    await put(2)  # producer p: steps 0 and 1, then it finishes
+    waited: list[list[str]] = []
+    closed: list[State] = []
+
+    async def close_when_done() -> None:
+        closed.append(await lakestream.close_when_done(url, waiting=waited.append))
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg, lakestream.open_producer(url, "q") as q:
+            for _ in range(3):
+                tg.start_soon(close_when_done)
+            await anyio.sleep(0.5)
+            assert not closed and ["q"] in waited  # q is still producing
+            for i in range(5):  # steps 2 and 3, and one sample left for a short step 4
+                await q.put({"__key__": f"q{i}", "txt": b"x"}, cursor=i + 1)
+            await anyio.sleep(0.3)
+            assert not closed
+    state = await lakestream.load_state(url)
+    assert [s.closed_after for s in closed] == [4, 4, 4] and state.closed_after == 4 and state.ended
+    assert state.step(4).ranks[0].samples == 1  # the short last step
+    records = await log_records(url)
+    closes = [i for i, r in enumerate(records) if type(r).__name__ == "CloseRecord"]
+    assert closes == [len(records) - 1], records[-3:]  # one close, the last record
+    assert (await lakestream.close_when_done(url)).version == state.version  # closed already: nothing to add
+
+
+def test_produce_close_when_done_waits_for_the_other_producers(stream_url: str) -> None:
+    """p (with the flag) finishes first and waits for q (without it); when q has finished, p closes
+    the stream after the short last step that q packed."""
+    url = stream_url
+    run_cli("init", url, "--world-size", 1, "--global-batch", 4, check=True)
+    q = spawn_cli("produce", url, "--producer-id", "q", "--synthetic", 100, "--sample-size", 8, "--rate", 20)
+    p = None
+    try:
+        wait_until(lambda: "q" in anyio.run(lakestream.load_state, url).producers, 30, "q registered")
+        p = spawn_cli("produce", url, "--producer-id", "p", "--synthetic", 7, "--sample-size", 8,
+                      "--close-when-done")  # fmt: skip
+        wait_until(lambda: anyio.run(lakestream.load_state, url).producers.get("p", None) is not None
+                   and anyio.run(lakestream.load_state, url).producers["p"].finished, 30, "p finished")  # fmt: skip
+        assert q.poll() is None and p.poll() is None  # p waits for q
+        assert anyio.run(lakestream.load_state, url).closed_after is None
+        _, q_err = q.communicate(timeout=60)
+        assert q.returncode == 0, q_err
+        out, err = p.communicate(timeout=60)
+    finally:
+        for proc in (q, p):
+            if proc is not None:
+                proc.kill()
+    assert p.returncode == 0, err
+    assert f"lakestream produce: waiting for producer q to finish before closing {url}" in err
+    state = anyio.run(lakestream.load_state, url)
+    assert out.strip().splitlines()[-1] == f"every producer has finished: {url} is closed after step {state.head}"
+    assert state.closed_after == state.head == 26 and state.ended  # 107 samples: 26 steps of 4, a short one of 3
+    assert state.step(26).ranks[0].samples == 3 and not state.leftovers
+    records = anyio.run(log_records, url)
+    assert [type(r).__name__ for r in records].count("CloseRecord") == 1
+    assert type(records[-1]).__name__ == "CloseRecord"
+
+
+def test_producers_all_closing_when_done_close_once(stream_url: str) -> None:
+    """Three producers, registered before any starts (as a fleet's are), all with the flag."""
+    from lakestream.ray import _register
+
+    url = stream_url
+    run_cli("init", url, "--world-size", 2, "--global-batch", 4, check=True)
+    anyio.run(_register, url, ["p0", "p1", "p2"])
+    procs = [
+        spawn_cli("produce", url, "--producer-id", f"p{i}", "--synthetic", n, "--sample-size", 8, "--close-when-done")
+        for i, n in enumerate([9, 14, 3])
+    ]
+    try:
+        results = [(proc.communicate(timeout=120), proc.returncode) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert all(rc == 0 for _, rc in results), results
+    state = anyio.run(lakestream.load_state, url)
+    assert state.closed_after == state.head == 6 and state.ended  # 26 samples: 6 steps of 4, a short one of 2
+    assert sum(r.samples for r in state.step(6).ranks) == 2 and not state.leftovers
+    for (out, _), _ in results:
+        assert out.strip().splitlines()[-1] == f"every producer has finished: {url} is closed after step 6"
+    records = anyio.run(log_records, url)
+    assert [type(r).__name__ for r in records].count("CloseRecord") == 1
+    assert type(records[-1]).__name__ == "CloseRecord"  # nothing committed after it

@@ -186,27 +186,31 @@ def test_an_actor_killed_mid_run_is_restarted_and_every_sample_lands_once(
 
 
 def test_a_fleet_on_s3_with_worker_processes(tmp_path: Path, s3_url: str, ray_address: str) -> None:
-    """AWS_* reach the actors; --workers-per-producer spawns the map workers inside the actors."""
+    """AWS_* reach the actors; --workers-per-producer spawns the map workers inside the actors; --close
+    closes the stream after its last step once every actor has finished."""
     make_wds(tmp_path / "wds", SHARDS, PER_SHARD)
     (tmp_path / "mod").mkdir()
     (tmp_path / "mod" / "failing.py").write_text(FAILING_MODULE)
     run_cli("init", s3_url, "--world-size", 2, "--global-batch", 4, check=True)
     r = fleet(s3_url, "--source", f"wds:{tmp_path}/wds/*.tar", "--producers", 2, "--name", "s3fleet",
-              "--map", "failing:fn", "--on-error", "skip", "--workers-per-producer", 1, "--json",
+              "--map", "failing:fn", "--on-error", "skip", "--workers-per-producer", 1, "--json", "--close",
               "--ray-address", ray_address, env={"PYTHONPATH": str(tmp_path / "mod")})  # fmt: skip
     s = summary(r)
     assert s["skipped"] == ["s004-0003"] and s["samples"] == 179 and s["producers"] == 2, describe(r)
     assert set(read_values(s3_url, 2)) == ALL_KEYS - {"s004-0003"}
     assert verified(s3_url)["samples"] == 179
-    assert sorted(status(s3_url)["producers"]) == ["s3fleet-0", "s3fleet-1"]
+    st = status(s3_url)
+    assert sorted(st["producers"]) == ["s3fleet-0", "s3fleet-1"]
+    assert s["closed_after"] == st["closed_after"] == st["head_step"] == 44, describe(r)  # 179 samples: 45 steps
 
 
 def test_a_failing_map_fails_the_run_naming_the_key_and_a_rerun_resumes(
     setup: dict[str, Any], ray_address: str
 ) -> None:
-    url, base = setup["url"], ["--source", setup["spec"], "--producers", 3, "--map", "failing:fn"]
+    url, base = setup["url"], ["--source", setup["spec"], "--producers", 3, "--map", "failing:fn", "--close"]
     r = fleet(url, *base, "--ray-address", ray_address, env=setup["env"], check=False)
     assert r.returncode == 1, describe(r)
+    assert status(url)["closed_after"] is None  # --close: not with a producer failed
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("lakestream fleet: error: fleet-1 failed:"), describe(r)
     assert "'s004-0003'" in lines[0] and "train-004.tar" in lines[0] and "cannot decode" in lines[0], describe(r)
@@ -217,6 +221,7 @@ def test_a_failing_map_fails_the_run_naming_the_key_and_a_rerun_resumes(
     assert s["skipped"] == ["s004-0003"] and s["samples"] == 179 - before and s["ok"], describe(r)
     assert set(read_values(url, 2)) == ALL_KEYS - {"s004-0003"}
     assert verified(url)["samples"] == 179
+    assert s["closed_after"] == status(url)["closed_after"] == status(url)["head_step"] == 44, describe(r)
 
 
 def test_run_fleet_from_python(setup: dict[str, Any], ray_address: str) -> None:

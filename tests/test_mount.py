@@ -999,11 +999,11 @@ def test_inode_numbers_never_collide_for_any_shape_the_stream_accepts() -> None:
     """Ranks up to 65535, steps past 2^32 and 2^40, slices of 2^24 samples with several fields:
     every (rank, step, version, world size, file) gets its own number, and a number is never handed out twice,
     not even after the kernel forgot the node that had it."""
-    from lakestream_mount._fs import MAX_WORLD, RANK_BASE, Inodes
+    from lakestream_mount._fs import MAX_WORLD, NODE_BASE, Inodes
 
     world = 65536
     assert world == MAX_WORLD
-    inodes = Inodes(RANK_BASE + 2 * world)
+    inodes = Inodes(NODE_BASE)
 
     def entry(step: int, version: int) -> lakestream.Step:
         return lakestream.Step(step, version, "s", "p", epoch=1, seq=0, ranks=(), cursor=None, ts=0.0)
@@ -1017,7 +1017,7 @@ def test_inode_numbers_never_collide_for_any_shape_the_stream_accepts() -> None:
                 for index in (-1, 0, 1, (1 << 20) - 1, 1 << 20, (1 << 24) * 4 - 1):
                     keys["file", rank, step, version, w, index] = inodes.get("file", rank, step, e, w, index, 1).inode
     numbers = list(keys.values())
-    assert len(set(numbers)) == len(numbers) and min(numbers) >= RANK_BASE + 2 * world
+    assert len(set(numbers)) == len(numbers) and min(numbers) >= NODE_BASE
     node = inodes.get("file", 0, 0, entry(0, 5), world, 0)
     assert node.inode == keys["file", 0, 0, 5, world, 0]  # the same key: the same node
     node.lookups = 2
@@ -1374,3 +1374,56 @@ def test_the_mount_outlives_an_s3_outage_and_follows_the_stream_again(
         assert m.proc.poll() is None and "Traceback" not in m.log()
     finally:
         server.stop()
+
+
+# -- 13. the end of a stream -----------------------------------------------------------------------
+
+
+def test_the_mount_ends_at_a_close_and_a_reopen_takes_the_end_back(stream_url: str, mounts) -> None:
+    """Closed after step 2: a lookup of a step past it answers ENOENT at once (one waiting for it
+    when the close record arrives too), `_status.json` says so, and once step 2 is committed every
+    rank directory holds `END`. A reopen removes `END`, and a lookup past the head waits again."""
+    url = stream_url
+    create(url, 2, 2)
+    produce(url, "p", tgb("a", 4))  # steps 0, 1
+    m = mounts(url, "--wait", 30)
+    r0, r1 = m.mountpoint / "rank-0", m.mountpoint / "rank-1"
+    assert errno_of(lambda: os.stat(r0 / "END")) == errno.ENOENT
+    assert m.status()["closed_after"] is None and m.status()["ended"] is False
+    past, last = Blocked(lambda: os.stat(r0 / step_name(3))), Blocked(lambda: os.stat(r1 / step_name(2)))
+    time.sleep(0.5)
+    assert past.is_alive() and last.is_alive()
+
+    anyio.run(lambda: lakestream.close(url, after_step=2))
+    closed_at = time.monotonic()
+    past.join(10)
+    assert not past.is_alive() and isinstance(past.error, FileNotFoundError), past.error
+    assert past.returned_at - closed_at < 3.0, f"ENOENT {past.returned_at - closed_at:.2f} s after the close"
+    assert last.is_alive()  # step 2 may still come
+    wait_until(lambda: m.status()["closed_after"] == 2, 10.0, "_status.json says closed")
+    assert m.status()["ended"] is False and errno_of(lambda: os.stat(r0 / "END")) == errno.ENOENT
+    t0 = time.monotonic()
+    for path in (r0 / step_name(3), r1 / step_name(50) / "_meta.json"):
+        assert errno_of(lambda path=path: os.stat(path)) == errno.ENOENT
+    assert time.monotonic() - t0 < 1.0, "lookups past the close should not wait"
+
+    produce(url, "p", tgb("b", 2))  # step 2, the last
+    last.join(10)
+    assert last.error is None and last.result.st_mode & 0o170000 == 0o040000
+    wait_until(lambda: m.status()["ended"], 10.0, "_status.json says ended")
+    for r in (r0, r1):
+        assert "END" in os.listdir(r) and os.path.isfile(r / "END")
+        assert json.loads((r / "END").read_bytes()) == {"closed_after": 2}
+    assert (r0 / "latest").readlink() == Path(step_name(2))
+
+    anyio.run(lakestream.reopen, url)
+    assert settled_errno(r0 / "END") == errno.ENOENT
+    wait_until(lambda: m.status()["closed_after"] is None, 10.0, "_status.json says open")
+    assert "END" not in os.listdir(r1)
+    waiter = Blocked(lambda: os.stat(r0 / step_name(3)))
+    time.sleep(0.5)
+    assert waiter.is_alive(), waiter.error  # waits again: step 3 may come
+    produce(url, "p", tgb("c", 2))  # step 3
+    waiter.join(10)
+    assert waiter.error is None
+    assert "Traceback" not in m.log()

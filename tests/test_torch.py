@@ -611,6 +611,40 @@ def test_mount_dataset_waits_for_steps_committed_later(mounted: tuple[str, Path]
     assert ds.state_dict() == {"next_step": 7}
 
 
+def test_both_datasets_with_no_stop_end_at_the_close_and_say_the_stream_is_done(
+    stream_url: str, tmp_path: Path
+) -> None:
+    url = stream_url
+    anyio.run(_produce, url, 0, 3 * BATCH, True)  # steps 0..2
+    m = Mount(url, tmp_path / "mnt", tmp_path / "mount.log")
+    try:
+        m.wait_ready()
+        anyio.run(lakestream.close, url)
+        datasets: list[Any] = [
+            lambda: StreamDataset(url, rank=1, world_size=WORLD),
+            lambda: MountDataset(m.mountpoint, rank=1, world_size=WORLD, timeout=20),
+        ]
+        for make in datasets:
+            ds = make()
+            t0 = time.monotonic()
+            items = list(DataLoader(ds, batch_size=None))
+            assert time.monotonic() - t0 < 10, f"{ds!r} waited at the end"
+            assert_same(items, [expected(1, s) for s in range(3)])
+            assert ds.state_dict() == {"next_step": 3, "done": True}, repr(ds)
+            assert list(ds) == []  # done: iterating again yields nothing
+            resumed = make()
+            resumed.load_state_dict(ds.state_dict())
+            assert list(resumed) == [] and resumed.state_dict() == {"next_step": 3, "done": True}
+            with pytest.raises(ValueError, match="'done' must be a bool"):
+                resumed.load_state_dict({"next_step": 3, "done": 1})
+            loader = DataLoader(make(), batch_size=None, num_workers=2)
+            assert sorted(item["step"] for item in loader) == [0, 1, 2]  # each worker's share ends
+        with pytest.raises(lakestream.StepUnavailable, match="closed after step 2"):
+            MountDataset(m.mountpoint, rank=1, world_size=WORLD).read_step(3)
+    finally:
+        m.stop()
+
+
 # -- (c) training under torchrun: crash and resume reproduce the uninterrupted run ---------------------
 
 

@@ -1,20 +1,21 @@
 """The FUSE filesystem: each mounted rank's committed steps as read-only directories.
 
-    MOUNTPOINT/_status.json                        head step, version, producers, lag
+    MOUNTPOINT/_status.json                        head step, version, producers, lag, closed_after
     MOUNTPOINT/rank-<r>/latest -> <step:012d>      the newest committed step
+    MOUNTPOINT/rank-<r>/END                        {"closed_after": E} once the stream ended after step E
     MOUNTPOINT/rank-<r>/<step:012d>/<key>.<field>  one file per sample field
     MOUNTPOINT/rank-<r>/<step:012d>/_meta.json     step, version, producer, keys, sizes
 
 Theory of operation.
 
-- Inodes. The root, `_status.json`, every rank directory and `latest` have fixed numbers below
-  `RANK_BASE + 2 * MAX_WORLD`. Everything else is a `Node` of one TGB: a step directory or one of
+- Inodes. The root, `_status.json`, every rank directory, `latest` and `END` have fixed numbers
+  below `NODE_BASE`. Everything else is a `Node` of one TGB: a step directory or one of
   its files, tied to the (rank, step, manifest version, world size) it was looked up at. Its number is drawn
   from a counter that never goes back, so no two nodes ever share one, whatever the world size,
   step number or files per slice; a node is dropped when the kernel forgets it (lookup count 0).
   A node's content never changes, so the kernel may cache its entry, attributes and pages for as
-  long as it likes (`keep_cache`, day-long timeouts). Only `latest` and `_status.json` change;
-  they get zero timeouts and direct I/O.
+  long as it likes (`keep_cache`, day-long timeouts). Only `latest`, `_status.json` and `END`
+  change; they get zero timeouts and direct I/O.
 - Rewinds. A step number re-committed after a rewind is another TGB at another version, hence
   other nodes. Looking up, stat-ing or opening a node whose TGB is no longer the committed one
   fails with ESTALE (the kernel then walks the path again, asking us for every name, and finds
@@ -33,6 +34,9 @@ Theory of operation.
   committed, the node becomes that TGB's step directory; if the wait runs out it answers ENOENT,
   and so does a lookup of that step within `EXPIRED_GRACE` seconds after, so that `ls` of a
   missing step (a `stat`, then an `lstat`) says "no such file" after one wait, not two.
+- The end. Once the stream is closed after step E (a `close` record), a step past E never comes:
+  its lookup answers ENOENT at once, and a wait for one ends with ENOENT when the close record
+  arrives. Once the head reached E, each rank directory holds `END`; a `reopen` record removes it.
 - Signals. Once a request reaches us the kernel waits for our answer whatever signal its caller
   gets; it sends FUSE_INTERRUPT, but pyfuse3 does not deliver that. So a waiting request looks,
   every `INTERRUPT_POLL` seconds, at whether its caller's thread has a signal pending that it does
@@ -75,14 +79,16 @@ from lakestream._retry import Backoff  # the library's one backoff policy (same 
 
 from ._mounts import mounts_at
 
-__all__ = ["Inodes", "LakeFS", "Node", "SliceCache", "check_names", "signal_pending", "step_of_name"]
+__all__ = ["NODE_BASE", "Inodes", "LakeFS", "Node", "SliceCache", "check_names", "signal_pending", "step_of_name"]
 
 log = logging.getLogger("lakestream.mount")
 
 ROOT = pyfuse3.ROOT_INODE
 STATUS = 2
-RANK_BASE = 16  # rank r: directory RANK_BASE + 2r, `latest` RANK_BASE + 2r + 1; nodes above them all
+RANK_BASE = 16  # rank r: directory RANK_BASE + 2r, `latest` RANK_BASE + 2r + 1
 MAX_WORLD = LIMITS["world_size"][1]
+END_BASE = RANK_BASE + 2 * MAX_WORLD  # rank r: `END` END_BASE + r
+NODE_BASE = END_BASE + MAX_WORLD  # nodes above every fixed number
 META = -1  # the file index of `_meta.json`
 FOREVER = 24 * 3600.0
 EXPIRED_GRACE = 0.5  # seconds a step whose wait ran out is reported missing without a new wait
@@ -90,6 +96,7 @@ INTERRUPT_POLL = 0.2  # seconds between looks at whether a waiting request's cal
 STATUS_NAME = layout.STATUS_NAME.encode()
 META_NAME = layout.META_NAME.encode()
 LATEST_NAME = layout.LATEST_NAME.encode()
+END_NAME = layout.END_NAME.encode()
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -405,7 +412,7 @@ class LakeFS(pyfuse3.Operations):
         self.cache = SliceCache(self._fetch, cache_size)
         self.uid, self.gid = os.getuid(), os.getgid()
         self.mounted_at = time.time_ns()
-        self.inodes = Inodes(RANK_BASE + 2 * MAX_WORLD)
+        self.inodes = Inodes(NODE_BASE)
         self._changed = anyio.Event()
         self._poke = anyio.Event()
         self._handles: dict[int, Node | int | bytes] = {}  # fh -> node, fixed inode, or status bytes
@@ -417,6 +424,7 @@ class LakeFS(pyfuse3.Operations):
         self._expired: dict[tuple[int, int], float] = {}  # (rank, step) -> until when its wait counts as run out
         self._rewinds = reader.state.rewinds
         self._first_step = reader.state.first_step
+        self._closed_after = reader.state.closed_after
         self.follow_error: str | None = None
         self.closing = anyio.Event()
         self._waiters = 0
@@ -520,6 +528,9 @@ class LakeFS(pyfuse3.Operations):
             for r in self._cursor:
                 self._cursor[r] = min(self._cursor[r], s.head)
             self._invalidate_stale()
+        if s.closed_after != self._closed_after:
+            self._closed_after = s.closed_after
+            self._expired.clear()  # a step past a close that is gone (reopened) may come again
         self._changed.set()
         self._changed = anyio.Event()
         self._prefetch()
@@ -594,7 +605,7 @@ class LakeFS(pyfuse3.Operations):
         try:
             while step > self.state.head:
                 left = deadline - time.monotonic()
-                if left <= 0 or self.closing.is_set():
+                if left <= 0 or self.closing.is_set() or self._past_end(step):
                     return False
                 if signal_pending(caller):
                     log.info("step %d: caller %d got a signal while waiting for it: EINTR", step, caller)
@@ -607,6 +618,17 @@ class LakeFS(pyfuse3.Operations):
             self._waiters -= 1
             self.metrics.waited(time.monotonic() - started)
         return step >= self.state.first_step
+
+    def _past_end(self, step: int) -> bool:
+        """Whether the stream is closed before `step`: it will never be committed."""
+        closed = self.state.closed_after
+        return closed is not None and step > closed
+
+    def _end_bytes(self) -> bytes:
+        """The content of `END` (ENOENT while the stream has not ended)."""
+        if not self.state.ended:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return orjson.dumps({"closed_after": self.state.closed_after}) + b"\n"
 
     def shutdown(self) -> None:
         """Stop serving: wake every waiting lookup (ENOENT) and end the FUSE main loop."""
@@ -668,6 +690,8 @@ class LakeFS(pyfuse3.Operations):
                     for k, p in sorted(s.producers.items())
                 },
                 "lag_seconds": round(now - newest, 3) if newest else None,
+                "closed_after": s.closed_after,  # the stream ends after this step (None: not closed)
+                "ended": s.ended,  # closed, and that step is committed: no step follows the head
                 "cache_bytes": self.cache.nbytes,
                 "inodes": len(self.inodes.nodes),
                 "follow_error": self.follow_error,
@@ -676,11 +700,13 @@ class LakeFS(pyfuse3.Operations):
         )
 
     def _fixed(self, inode: int) -> tuple[str, int]:
-        """(kind, rank) of a fixed inode: root, status, rank or latest; ENOENT for others."""
+        """(kind, rank) of a fixed inode: root, status, rank, latest or end; ENOENT for others."""
         if inode == ROOT:
             return "root", 0
         if inode == STATUS:
             return "status", 0
+        if END_BASE <= inode < NODE_BASE and self._shown(inode - END_BASE):
+            return "end", inode - END_BASE
         r, latest = divmod(inode - RANK_BASE, 2)
         if RANK_BASE <= inode < RANK_BASE + 2 * MAX_WORLD and self._shown(r):
             return ("latest" if latest else "rank"), r
@@ -719,6 +745,8 @@ class LakeFS(pyfuse3.Operations):
             return self._attr(STATUS, stat.S_IFREG | 0o444, len(self._status_bytes()), timeout=0)
         if kind == "rank":
             return self._attr(inode, stat.S_IFDIR | 0o555)
+        if kind == "end":
+            return self._attr(inode, stat.S_IFREG | 0o444, len(self._end_bytes()), timeout=0)
         return self._attr(inode, stat.S_IFLNK | 0o444, 12, timeout=0)
 
     @_handler
@@ -749,13 +777,15 @@ class LakeFS(pyfuse3.Operations):
             if s.head < s.first_step:
                 raise pyfuse3.FUSEError(errno.ENOENT)
             return await self.getattr(RANK_BASE + 2 * r + 1)
+        if name == END_NAME:
+            return await self.getattr(END_BASE + r)
         step = step_of_name(name)
         if step is None or step < s.first_step or not self._has(r, step):
             raise pyfuse3.FUSEError(errno.ENOENT)
         entry = s.step(step)
         if entry is not None:
             return self._ref(self.inodes.get("step", r, step, entry, s.world_at(step)))
-        if step <= s.head or self.wait <= 0 or self.closing.is_set():
+        if step <= s.head or self.wait <= 0 or self.closing.is_set() or self._past_end(step):
             raise pyfuse3.FUSEError(errno.ENOENT)
         if self._expired.get((r, step), 0.0) > time.monotonic():
             raise pyfuse3.FUSEError(errno.ENOENT)  # its wait just ran out: `ls` does not wait twice
@@ -823,15 +853,18 @@ class LakeFS(pyfuse3.Operations):
                     return
             return
         s = self.state
-        # ids: 0 = start, 1 = after `latest`, step + 2 = after that step
+        # ids: 0 = start, 1 = after `latest`, 2 = after `END`, step + 3 = after that step
         latest = await self.getattr(RANK_BASE + 2 * r + 1)
         if start_id == 0 and s.head >= s.first_step and not pyfuse3.readdir_reply(token, LATEST_NAME, latest, 1):
             return
-        for n in range(max(s.first_step, start_id - 1 if start_id > 1 else 0), s.head + 1):
+        end = await self.getattr(END_BASE + r) if start_id <= 1 and s.ended else None
+        if end is not None and not pyfuse3.readdir_reply(token, END_NAME, end, 2):
+            return
+        for n in range(max(s.first_step, start_id - 2 if start_id > 2 else 0), s.head + 1):
             entry, world = s.step(n), s.world_at(n)
             if entry is None or r >= world:
                 continue
-            if not self._reply(token, b"%012d" % n, self.inodes.get("step", r, n, entry, world), n + 2):
+            if not self._reply(token, b"%012d" % n, self.inodes.get("step", r, n, entry, world), n + 3):
                 return
 
     async def releasedir(self, fh: int) -> None:
@@ -847,6 +880,8 @@ class LakeFS(pyfuse3.Operations):
             return pyfuse3.FileInfo(fh=self._open_handle(self._status_bytes()), direct_io=True)
         if inode not in self.inodes.nodes:
             kind, _ = self._fixed(inode)
+            if kind == "end":
+                return pyfuse3.FileInfo(fh=self._open_handle(self._end_bytes()), direct_io=True)
             raise pyfuse3.FUSEError(errno.EISDIR if kind in ("root", "rank") else errno.ELOOP)
         node = await self._node(inode, ctx)
         if node.kind != "file":
