@@ -163,6 +163,7 @@ class Producer:
         self._clock = clock
         self._wall = wall  # timestamps in records and segment keys
         self._token = uuid.uuid4().hex
+        self._mention = orjson.dumps({"producer": producer_id})[1:-1]  # how a record names this producer
         self._key_prefix = producer_id.replace(".", "_")
         self.epoch = 0
         self.global_batch = 0  # the most samples a TGB of this incarnation holds (set on registering)
@@ -323,8 +324,10 @@ class Producer:
             datas[top] = data
         for v in range(top, max(since, top - MAX_SCAN), -1):
             data = datas.get(v) or await self.manifest.read_version(v)
+            if data is None or self._token.encode() not in data:
+                continue  # (the bytes say so without decoding a group of thousands of slices)
             try:
-                record = decode_record(data) if data is not None else None
+                record = decode_record(data)
             except RecordError:
                 continue
             for r in record.records if isinstance(record, GroupRecord) else ():
@@ -811,6 +814,9 @@ class Producer:
             if data is None:
                 break  # not there (a hint ahead of the log, or a version not visible yet)
             self._seen = first + i
+            if data.startswith(b'{"kind":"group"') and self._mention not in data:
+                self._moved_at = self._clock()  # a combiner at work, on others' TGBs: no need to decode them
+                continue
             try:
                 record = decode_record(data)
             except RecordError:
