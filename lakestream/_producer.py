@@ -53,6 +53,7 @@ from ._records import (
     TgbRef,
     decode_record,
     encode_record,
+    record_kind,
 )
 from ._retry import retry
 from ._segment import (
@@ -91,7 +92,10 @@ STICKY = 30.0
 
 
 # Records that leave the rules as they are (`State.rules_digest`).
-_KEEP_RULES = (GroupRecord, CommitRecord, RegisterRecord, FinishRecord, CheckpointRecord, ReleaseRecord, ReclaimRecord)
+_KEEP_RULES = {
+    r.kind
+    for r in (GroupRecord, CommitRecord, RegisterRecord, FinishRecord, CheckpointRecord, ReleaseRecord, ReclaimRecord)
+}
 
 
 @dataclass(slots=True)
@@ -248,11 +252,8 @@ class Producer:
                 if (data := await self.manifest.read_version(v)) is None:
                     self._tail, self._tail_head = tail, tail.head
                     return state
-                try:
-                    if not isinstance(decode_record(data), _KEEP_RULES):
-                        break
-                except RecordError:
-                    continue  # a no-op
+                if record_kind(data) not in _KEEP_RULES:  # (a malformed one is a no-op: following costs time only)
+                    break
         await self.manifest.refresh()
         return state
 

@@ -14,6 +14,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, ClassVar
 
 import orjson
@@ -42,6 +43,7 @@ __all__ = [
     "check_source_name",
     "decode_record",
     "encode_record",
+    "record_kind",
 ]
 
 PRODUCER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -387,13 +389,15 @@ def _tgb(f: _Fields, t: Any) -> TgbRef:
     f.need(segment_key_ok(t.get("segment")), f"{f.what}: bad segment key {t.get('segment')!r:.300}")
     ranks = t.get("ranks")
     f.need(isinstance(ranks, list) and len(ranks) > 0, f"{f.what}: a TGB needs its rank slices")
-    out = []
-    for rs in ranks:
-        f.need(
-            isinstance(rs, list) and len(rs) == 4 and all(type(x) is int and x >= 0 for x in rs),
-            f"{f.what}: bad rank slice {rs!r:.100}",
-        )
-        out.append((rs[0], rs[1], rs[2], rs[3]))
+    # Every reader decodes every step's slices (hundreds of ranks): checked in C-level passes,
+    # each a list of four ints >= 0 (a bool is not one here).
+    ok = set(map(type, ranks)) == {list} and set(map(len, ranks)) == {4}
+    flat = list(chain.from_iterable(ranks)) if ok else []
+    if not ok or set(map(type, flat)) != {int} or min(flat) < 0:
+        rs = next(rs for rs in ranks if not (isinstance(rs, list) and len(rs) == 4
+                                             and all(type(x) is int and x >= 0 for x in rs)))  # fmt: skip
+        raise RecordError(f"{f.what}: bad rank slice {rs!r:.100}")
+    out = list(map(tuple, ranks))
     checksum = t.get("checksum", "crc32")
     f.need(isinstance(checksum, str) and checksum in CHECKSUM_BITS, f"{f.what}: unknown checksum {checksum!r:.40}")
     mix, sources = t.get("mix"), t.get("sources")
@@ -418,6 +422,14 @@ def _tgb(f: _Fields, t: Any) -> TgbRef:
         )  # fmt: skip
         packed = tuple((x[0], x[1], x[2]) for x in packed)
     return TgbRef(t["segment"], tuple(out), t.get("cursor"), mix, sources, checksum, packed)
+
+
+def record_kind(data: bytes) -> str | None:
+    """The kind a record in `encode_record`'s form names first, without decoding it (None: not in
+    that form). Only a hint: what the record is, and whether it is valid, takes `decode_record`."""
+    if data.startswith(b'{"kind":"') and (end := data.find(b'"', 9, 64)) > 9:
+        return data[9:end].decode("ascii", "replace")
+    return None
 
 
 def decode_record(data: bytes) -> Record:

@@ -47,7 +47,7 @@ import bisect
 import hashlib
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -92,9 +92,9 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class RankSlice:
-    """Where one rank's part of a TGB lives in its segment."""
+class RankSlice(NamedTuple):
+    """Where one rank's part of a TGB lives in its segment (a tuple: every reader builds hundreds
+    of these a step)."""
 
     offset: int
     length: int
@@ -147,7 +147,7 @@ class Step:
         step, version, segment, producer, epoch, seq, ranks, cursor, ts, *extra = v
         checksum = extra[0] if extra else "crc32"
         pk = tuple((x[0], x[1], x[2]) for x in extra[1]) if len(extra) > 1 else None
-        return cls(step, version, segment, producer, epoch, seq, tuple(RankSlice(*r) for r in ranks), cursor, ts,
+        return cls(step, version, segment, producer, epoch, seq, tuple(map(RankSlice._make, ranks)), cursor, ts,
                    checksum, pk)  # fmt: skip
 
     def cursors(self) -> list[tuple[str, Any]]:
@@ -565,7 +565,7 @@ class State:
                         producer=r.producer,
                         epoch=r.epoch,
                         seq=r.seq + i,
-                        ranks=tuple(RankSlice(*x) for x in t.ranks),
+                        ranks=tuple(map(RankSlice._make, t.ranks)),
                         cursor=t.cursor,
                         ts=r.ts,
                         checksum=t.checksum,
