@@ -54,7 +54,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -64,7 +64,7 @@ import orjson
 from . import _decisions as decisions
 from ._errors import ConfigMismatch, CorruptData, ObjectNotFound, StoreUnavailable, StreamNotFound
 from ._layout import CONSUMED_KEY, HINT_KEY, LOG_PREFIX, SNAPSHOT_PREFIX, TAIL_KEY, log_key, snapshot_key, version_of
-from ._records import Record, encode_record
+from ._records import PRODUCER_ID, Record, encode_record
 from ._retry import STORE_BACKOFF, retry
 from ._state import Config, State
 from ._store import ObjectStore
@@ -120,12 +120,42 @@ class Tail(NamedTuple):
     """The tail hint: the log's `version` and `head` when a combiner wrote it; `beat` counts its
     rounds that committed nothing, so that producers waiting for it can tell a combiner at work
     (held by back-pressure) from none; `rules` is `State.rules_digest()` there (-1: not given), so
-    that a producer starting from a snapshot knows whether the versions since changed the rules."""
+    that a producer starting from a snapshot knows whether the versions since changed the rules;
+    `landed` names, for each producer whose TGBs landed in a version after `since`, the newest
+    such version (`State.landings`), so that it reads that one version to learn what landed."""
 
     version: int
     head: int
     beat: int
-    rules: int
+    rules: int = -1
+    since: int = -1
+    landed: Mapping[str, int] = {}
+
+
+TAIL_LANDINGS = 64  # versions the tail hint's `landed` covers
+MAX_TAIL = 1 << 16  # bytes of a tail hint read (1,024 producers' landings)
+
+
+def _tail(data: bytes) -> Tail | None:
+    """The tail hint in `data`, validated (None: unusable; a `landed` part that is not what it
+    should be is left out, so the producers reading it read the versions themselves)."""
+    try:
+        d = orjson.loads(data) if len(data) <= MAX_TAIL else None
+    except ValueError:
+        return None
+    if not isinstance(d, dict):
+        return None
+    ints = [d.get("version"), d.get("head"), d.get("beat"), d.get("rules", -1), d.get("since", -1)]
+    if not all(type(v) is int and -1 <= v < 1 << 63 for v in ints):
+        return None
+    version, head, beat, rules, since = ints
+    landed = d.get("landed", {})
+    if not (
+        isinstance(landed, dict) and since <= version
+        and all(type(v) is int and since < v <= version and PRODUCER_ID.match(k) for k, v in landed.items())
+    ):  # fmt: skip
+        since, landed = version, {}
+    return Tail(version, head, beat, rules, since, landed)
 
 
 class Manifest:
@@ -472,17 +502,16 @@ class Manifest:
 
     # -- hints: where the log ends, what the trainer consumed ------------------------------------
 
-    async def _small_object(self, key: str, fields: tuple[str, ...], optional: str = "") -> tuple[int, ...] | None:
+    async def _small_object(self, key: str, fields: tuple[str, ...]) -> tuple[int, ...] | None:
         """The integers `fields` of the small JSON object at `key` (a hint anyone could have
-        written: validated, and None with a warning when it is not what it should be); the
-        `optional` last field reads -1 when absent."""
+        written: validated, and None with a warning when it is not what it should be)."""
         data = await self._get(key)
         self.requests += 1
         if data is None:
             return None
         try:
             d = orjson.loads(data[:256])
-            values = tuple(d[f] if f != optional else d.get(f, -1) for f in fields)
+            values = tuple(d[f] for f in fields)
         except (ValueError, KeyError, TypeError):
             values = ()
         if len(values) != len(fields) or not all(type(v) is int and -1 <= v < 1 << 63 for v in values):
@@ -493,11 +522,19 @@ class Manifest:
     async def read_tail(self) -> Tail | None:
         """Where the log ended when its last writer wrote the tail hint, or None (see `Tail`). A
         hint: it may be behind (a slower writer's), never trusted for more than where to look."""
-        tail = await self._small_object(TAIL_KEY, ("version", "head", "beat", "rules"), optional="rules")
-        return None if tail is None else Tail(*tail)
+        data = await self._get(TAIL_KEY)
+        self.requests += 1
+        if data is None:
+            return None
+        if (tail := _tail(data)) is None:
+            log.warning("%s: ignoring the unreadable %s: %r", self.url, TAIL_KEY, data[:100])
+        return tail
 
-    async def write_tail(self, version: int, head: int, beat: int = 0, rules: int = -1) -> None:
-        await self.store.put(TAIL_KEY, orjson.dumps({"version": version, "head": head, "beat": beat, "rules": rules}))
+    async def write_tail(self, state: State, beat: int = 0) -> None:
+        """Point the tail hint at `state` (see `Tail`)."""
+        since, landed = state.landings(TAIL_LANDINGS)
+        hint = {"version": state.version, "head": state.head, "beat": beat, "rules": state.rules_digest()}
+        await self.store.put(TAIL_KEY, orjson.dumps({**hint, "since": since, "landed": landed}))
         self.requests += 1
 
     async def read_consumed(self) -> int | None:

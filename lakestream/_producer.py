@@ -780,9 +780,18 @@ class Producer:
         if tail is not None and (self._tail is None or tail[2] != self._tail[2]):
             self._moved_at = now  # a combiner's beat
         self._tail = tail
-        if tail is not None and tail[0] > self._seen:
-            self._tail_head = max(self._tail_head, tail[1])
-            await self._scan(tail[0])
+        if tail is not None and tail.version > self._seen:
+            self._tail_head = max(self._tail_head, tail.head)
+            view = self.manifest.state
+            if tail.version > view.version and tail.rules not in (-1, view.rules_digest()):
+                await self._catch_up()  # a rewind, shape, mix or close since the view: what does it mean here?
+            elif self._seen >= tail.since:  # the hint names the one version to read, if any
+                v = tail.landed.get(self.id)
+                if v is not None and v > self._seen:
+                    await self._read_landing(v)
+                self._seen = max(self._seen, tail.version)
+            else:
+                await self._scan(tail.version)
         declared = [t.declared_at for t in self._pending if t.declared_at is not None]
         if not declared:
             return
@@ -795,6 +804,25 @@ class Producer:
             for t in self._pending:  # declared again: an intent may have been deleted
                 t.declared_at = None
             self._notify()
+
+    async def _read_landing(self, version: int) -> None:
+        """Take in this producer's commits at `version`, which the tail hint says holds its newest
+        TGBs; if they do not follow what it knows landed, read the versions before it too."""
+        data = await self.manifest.read_version(version)
+        try:
+            record = decode_record(data) if data is not None else None
+        except RecordError:
+            record = None
+        mine = [
+            r for r in (record.records if isinstance(record, GroupRecord) else (record,))
+            if isinstance(r, CommitRecord) and r.producer == self.id and r.epoch == self.epoch
+        ]  # fmt: skip
+        if not mine or mine[0].seq > self._committed_seq + 1:
+            await self._scan(version)  # earlier ones landed in versions before it (or the hint is wrong)
+            return
+        for r in mine:
+            self._landed(r)
+        self._moved_at = self._clock()
 
     async def _scan(self, top: int) -> None:
         """Read versions `_seen + 1`..`top` and take in this producer's commits in them."""
@@ -916,11 +944,11 @@ class Producer:
         if result.version is not None:
             self.stats.commits += 1
             self._appended(result.version, tail=False)
-            await self._write_tail(state.version, state.head, self._beat, state.rules_digest())
+            await self._write_tail(self._beat)
         elif self._clock() - self._beat_at >= BEAT_EVERY:
             # Declared TGBs wait (back-pressure, or not valid): say that a combiner is at work.
             self._beat, self._beat_at = self._beat + 1, self._clock()
-            await self._write_tail(state.version, state.head, self._beat, state.rules_digest())
+            await self._write_tail(self._beat)
         if result.conflicts and not self._leads():
             self._combining_until = -math.inf  # another combiner is at work: leave it to it
         elif took_over or self._clock() < self._combining_until:
@@ -1067,17 +1095,16 @@ class Producer:
         if self._tg is None:
             return
         if tail and self.combine:  # (a stream's producers that commit themselves follow the log)
-            state = self.manifest.state
-            self._tg.start_soon(self._write_tail, version, state.head, 0, state.rules_digest())
+            self._tg.start_soon(self._write_tail)
         every = min(self.config.snapshot_every, COMBINE_SNAPSHOT_EVERY) if self.combine else self.config.snapshot_every
         if version % every == 0:
             self._tg.start_soon(self._snapshot, self.manifest.state.copy())
 
-    async def _write_tail(self, version: int, head: int, beat: int, rules: int) -> None:
+    async def _write_tail(self, beat: int = 0) -> None:
         try:
-            await self.manifest.write_tail(version, head, beat, rules)
+            await self.manifest.write_tail(self.manifest.state, beat)
         except Exception as e:  # best effort: a stale tail costs a held producer a log read
-            log.debug("%s: tail hint at version %d failed: %s", self.manifest.url, version, e)
+            log.debug("%s: tail hint failed: %s", self.manifest.url, e)
 
     async def _collect_garbage(self, interval: float) -> None:
         """GC in the background, every `interval` seconds; failures are logged, not fatal."""

@@ -346,6 +346,21 @@ class State:
         mixes = [(m.from_step, m.version) for m in self.mixes]
         return zlib.crc32(orjson.dumps([self.rewinds, self.shapes, mixes, self.closed_after]))
 
+    def landings(self, versions: int, most: int = 1024) -> tuple[int, dict[str, int]]:
+        """(since, landed): for each producer with a TGB in a version after `since`, the newest
+        such version; `since` is `versions` before this version, or later where more than `most`
+        producers landed (for the tail hint: a combining producer reads that version alone)."""
+        since, landed = max(-1, self.version - versions), dict[str, int]()
+        for s in reversed(self.steps):
+            if s.version <= since:
+                break
+            if s.producer not in landed:
+                if len(landed) == most:
+                    since = s.version
+                    break
+                landed[s.producer] = s.version
+        return since, {pid: v for pid, v in landed.items() if v > since}
+
     def resume_of(self, producer: str) -> Resume:
         """Where a new incarnation of `producer` registered now resumes (`RegisterRecord.resume`):
         its last committed seq, its cursor (before its held leftover, which goes back to its source)

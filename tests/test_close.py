@@ -271,7 +271,9 @@ def test_produce_close_when_done_waits_for_the_other_producers(stream_url: str) 
     the stream after the short last step that q packed."""
     url = stream_url
     run_cli("init", url, "--world-size", 1, "--global-batch", 4, check=True)
-    q = spawn_cli("produce", url, "--producer-id", "q", "--synthetic", 100, "--sample-size", 8, "--rate", 20)
+    q = spawn_cli(
+        "produce", url, "--producer-id", "q", "--synthetic", 100, "--sample-size", 8, "--rate", 10
+    )  # 10 s: p starts and finishes meanwhile, even on a loaded machine
     p = None
     try:
         wait_until(lambda: "q" in anyio.run(lakestream.load_state, url).producers, 30, "q registered")

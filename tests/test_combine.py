@@ -403,7 +403,7 @@ async def test_a_registering_producer_reads_the_version_that_registers_it_not_th
         for i in range(100):
             await m.append(lambda st, _, i=i: CheckpointRecord(f"c{i}", 0))
         assert await Combiner(m).round(None, 1.0) is not None  # registers b (and deletes its intent)
-        await m.write_tail(m.state.version, m.state.head)  # as a combining producer does
+        await m.write_tail(m.state)  # as a combining producer does
 
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
@@ -430,3 +430,31 @@ async def test_a_combining_producer_starts_from_the_snapshot_unless_the_log_afte
     c = lakestream.Producer(store, "c", combine=True)
     state = await c._load_from_snapshot()
     assert state.version == m.state.version + 21 and state.closed_after == 7
+
+
+def test_landings_name_each_producers_newest_version_in_the_window() -> None:
+    s = stream(0, "a", "b", "c")
+    for group in ([intent("a", 1, 0)], [intent("b", 1, 0), intent("a", 1, 1)], [intent("c", 1, 0)]):
+        s.apply(s.version + 1, encode_record(GroupRecord(tuple(group), 0.0)))
+    v = s.version
+    assert s.landings(8) == (max(-1, v - 8), {"a": v - 1, "b": v - 1, "c": v})
+    assert s.landings(1) == (v - 1, {"c": v})
+    since, landed = s.landings(8, most=2)  # complete after `since` only
+    assert (since, landed) == (v - 1, {"c": v})
+
+
+@pytest.mark.parametrize(
+    "landed, since",
+    [({"a": 5}, 2), ({"a": 9}, 2), ({"a": 2}, 2), ({"../x": 4}, 2), ({"a": True}, 2), ([1], 2), ({"a": 4}, 9)],
+)
+async def test_a_tail_hint_whose_landings_are_not_what_they_should_be_names_none(landed: object, since: int) -> None:
+    store = MemoryStore()
+    m = Manifest(store)
+    hint = {"version": 8, "head": 3, "beat": 0, "rules": 7, "since": since, "landed": landed}
+    await store.put("_lakestream/tail", orjson.dumps(hint))
+    tail = await m.read_tail()
+    good = landed == {"a": 5}
+    assert tail is not None and tail[:4] == (8, 3, 0, 7)
+    assert (tail.since, dict(tail.landed)) == ((2, {"a": 5}) if good else (8, {}))
+    await store.put("_lakestream/tail", b'{"version": "8"}')
+    assert await m.read_tail() is None
