@@ -84,7 +84,7 @@ COMBINE_EVERY = (0.25, 0.5)  # a round after one that committed at least COMBINE
 COMBINE_FULL = 4
 # A producer first looks for its declared TGBs after LOOK_FIRST, then every LOOK_EVERY, less often
 # (doubling up to LOOK_MAX) while looks find nothing of its own landed (back-pressure holds them).
-LOOK_FIRST, LOOK_EVERY, LOOK_MAX = 0.5, 0.25, 2.0
+LOOK_FIRST, LOOK_EVERY, LOOK_MAX = 0.75, 0.25, 2.0
 COMBINE_SNAPSHOT_EVERY = 64  # versions between a combiner's snapshots (at most the stream's snapshot_every)
 BEAT_EVERY = 1.0  # a combiner that commits nothing while TGBs are declared says so this often
 TAKEOVER_AFTER = 2.0
@@ -192,6 +192,8 @@ class Producer:
         self._rng = self.manifest.rng  # jitter: seeded where the manifest's is
         self._seen = -1  # the log version up to which this producer looked for its own commits
         self._tail_head = -1  # the head the tail hint last said
+        self._tail_at = -math.inf  # when it was read last
+        self._last_tail: Tail | None = None  # and what it said
         self._tail: Tail | None = None  # the tail hint as last read
         self._beat = 0  # rounds of this combiner that committed nothing (see `Manifest.read_tail`)
         self._beat_at = -math.inf
@@ -756,8 +758,9 @@ class Producer:
         await self._check_old_segments(tgbs)
         if not any(t.declared_at is not None for t in self._pending):
             # Nothing declared is outstanding: what is declared now can only land after the tail.
-            if (tail := await self.manifest.read_tail()) is not None:
-                self._seen, self._tail_head = max(self._seen, tail[0]), max(self._tail_head, tail[1])
+            fresh = self._clock() - self._tail_at < HOLD_POLL[1]  # read before the upload (`_room`)
+            if (tail := self._last_tail if fresh else await self._read_tail()) is not None:
+                self._seen = max(self._seen, tail.version)
             self._moved_at = self._clock()
         refs = tuple(t.ref for t in tgbs if t.ref is not None)
         data = encode_record(CommitRecord(self.id, self.epoch, tgbs[0].seq, refs, 0, self._wall()))
@@ -775,13 +778,12 @@ class Producer:
         such as producers finishing, may move the log) makes this producer commit itself, and
         what the others declared; TGBs declared long ago while a combiner works make it catch up
         with the whole log once, to learn why (fenced, or sealed for a mix no longer in force)."""
-        tail = await self.manifest.read_tail()
+        tail = await self._read_tail()
         now = self._clock()
-        if tail is not None and (self._tail is None or tail[2] != self._tail[2]):
-            self._moved_at = now  # a combiner's beat
+        if tail is not None and (self._tail is None or tail[:3] != self._tail[:3]):
+            self._moved_at = now  # a combiner wrote a version (or its beat: it holds TGBs back)
         self._tail = tail
         if tail is not None and tail.version > self._seen:
-            self._tail_head = max(self._tail_head, tail.head)
             view = self.manifest.state
             if tail.version > view.version and tail.rules not in (-1, view.rules_digest()):
                 await self._catch_up()  # a rewind, shape, mix or close since the view: what does it mean here?
@@ -963,6 +965,11 @@ class Producer:
         twice a second at most."""
         if not self.config.max_steps_ahead:
             return decisions.UNLIMITED
+        if for_upload and self.combine and self._clock() - min(self._mark_at, self._tail_at) > HOLD_POLL[1]:
+            # It seals on a view at most HOLD_POLL[1] old (it may not have looked for long): held
+            # here, at the source, rather than after the upload, with its TGB waiting to land.
+            await self._read_mark()
+            await self._read_tail()
         interval = HOLD_POLL[0]
         held = None
         while True:
@@ -982,14 +989,21 @@ class Producer:
                 decisions.check_open(self.manifest.state, self.id, self.manifest.url)  # never room past a close
                 await self._read_mark()
                 if self.combine:  # not following the log: the tail hint says where the head is
-                    if (tail := await self.manifest.read_tail()) is not None:
-                        self._tail_head = max(self._tail_head, tail[1])
+                    await self._read_tail()
                 else:
                     await self.manifest.refresh(window=1)  # one GET unless the log moved
                     self._drop_committed(self.manifest.state)
                 continue
             await anyio.sleep(interval)
             interval = min(interval * 2, HOLD_POLL[1])
+
+    async def _read_tail(self) -> Tail | None:
+        """The tail hint, its head taken in (`_head`, back-pressure)."""
+        tail = self._last_tail = await self.manifest.read_tail()
+        self._tail_at = self._clock()
+        if tail is not None:
+            self._tail_head = max(self._tail_head, tail.head)
+        return tail
 
     async def _read_mark_if_stale(self) -> None:
         """Read the consumption mark again if back-pressure is on and it is older than HOLD_POLL[1]."""
