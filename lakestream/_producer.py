@@ -12,6 +12,7 @@ Errors of background work surface at the next `put`, `flush` or `close`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -317,10 +318,8 @@ class Producer:
         """(version, epoch, resume) of this incarnation's register, read from the log's end (the
         tail hint's version and any after it) back to `since`, at most MAX_SCAN versions; None if
         none of them holds it."""
-        tail = await self.manifest.read_tail()
-        top = since if tail is None else max(since, tail[0])
-        if tail is not None:
-            self._tail_head = max(self._tail_head, tail[1])
+        tail = await self._read_tail()
+        top = since if tail is None else max(since, tail.version)
         datas: dict[int, bytes] = {}
         while (data := await self.manifest.read_version(top + 1)) is not None:  # the hint is behind
             top += 1
@@ -329,13 +328,17 @@ class Producer:
             data = datas.get(v) or await self.manifest.read_version(v)
             if data is None or self._token.encode() not in data:
                 continue  # (the bytes say so without decoding a group of thousands of slices)
-            try:
-                record = decode_record(data)
-            except RecordError:
-                continue
-            for r in record.records if isinstance(record, GroupRecord) else ():
-                if isinstance(r, RegisterRecord) and r.producer == self.id and r.token == self._token and r.resume:
-                    return v, r.epoch, r.resume
+            # Only its own register is decoded: a combiner's group, which every reader decodes
+            # whole, holds thousands of others' slices (a malformed one would be a no-op for all,
+            # and a producer that took it for its register finds itself fenced, not registered).
+            with contextlib.suppress(ValueError, TypeError, AttributeError, RecordError):
+                record = orjson.loads(data)
+                if record.get("kind") == "group":
+                    for r in record["records"]:
+                        if r.get("kind") == "register" and r.get("token") == self._token:
+                            reg = decode_record(orjson.dumps(r))
+                            if isinstance(reg, RegisterRecord) and reg.producer == self.id and reg.resume:
+                                return v, reg.epoch, reg.resume
         return None
 
     def _registered(self) -> None:
