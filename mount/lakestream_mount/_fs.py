@@ -471,6 +471,7 @@ class LakeFS(pyfuse3.Operations):
         self.follow_error: str | None = None
         self.closing = anyio.Event()
         self._waiters = 0
+        self._wait_started = 0.0  # when the newest wait for a step started
         self.detached = False
         self.mountpoint = mountpoint
         self._checked_mount = time.monotonic()
@@ -513,14 +514,15 @@ class LakeFS(pyfuse3.Operations):
     # -- following the manifest and prefetching ----------------------------------------------
 
     async def follow(self, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
-        """Poll the manifest (fast while someone waits for a step), wake waiters, prefetch.
+        """Poll the manifest (backing off while it does not move: `poll_delay`; at once when a
+        request starts waiting for a step), wake waiters, prefetch.
 
         Never raises for a store that fails: it retries with backoff and jitter for as long as
         it takes, and the mount keeps serving what it has meanwhile."""
         async with anyio.create_task_group() as tg:
             self._tg = tg
             task_status.started()
-            interval = self.poll_min
+            last_change = time.monotonic()
             failures = 0
             self._prefetch()
             while not self.closing.is_set():
@@ -541,19 +543,22 @@ class LakeFS(pyfuse3.Operations):
                 if failures:
                     log.warning("following %s again after %d failures", self.reader.url, failures)
                     failures, self.follow_error = 0, None
+                now = time.monotonic()
                 if changed:
-                    interval = self.poll_min
+                    last_change = now
                     self._applied()
-                elif self._waiters:
-                    interval = self.poll_min  # someone waits for a step: keep looking
-                else:
-                    interval = min(interval * 2, self.poll_max)
-                with anyio.move_on_after(interval):
-                    await self._poke.wait()
-                    interval = self.poll_min
+                with anyio.move_on_after(self.poll_delay(now - max(last_change, self._wait_started))):
+                    await self._poke.wait()  # a new waiter: look once now
                 if self._poke.is_set():
                     self._poke = anyio.Event()
                 self._check_unmounted()
+
+    def poll_delay(self, unchanged: float) -> float:
+        """Seconds until the next read of the log, `unchanged` seconds after it last moved or a
+        request started waiting for a step: an eighth of that, within `poll_interval`. A step is
+        seen at most an eighth of that time (and `poll_max`) after its commit; a stream that stays
+        still costs one read of the log per `poll_max`, however long it waits and whoever waits."""
+        return min(self.poll_max, max(self.poll_min, unchanged / 8))
 
     def _applied(self) -> None:
         """After the manifest moved: forget what a rewind or reclamation made stale, wake waiters, prefetch."""
@@ -645,6 +650,7 @@ class LakeFS(pyfuse3.Operations):
         started = time.monotonic()
         deadline = started + self.wait
         self._waiters += 1
+        waited = False
         try:
             while step > self.state.head:
                 left = deadline - time.monotonic()
@@ -653,7 +659,10 @@ class LakeFS(pyfuse3.Operations):
                 if signal_pending(caller):
                     log.info("step %d: caller %d got a signal while waiting for it: EINTR", step, caller)
                     raise pyfuse3.FUSEError(errno.EINTR)
-                self._poke.set()
+                if not waited:
+                    waited = True
+                    self._wait_started = time.monotonic()
+                    self._poke.set()
                 changed = self._changed
                 with anyio.move_on_after(min(left, INTERRUPT_POLL) if caller > 0 else left):
                     await changed.wait()
