@@ -100,6 +100,7 @@ BATCH = -2  # the index of a step's `_batch` directory in its listing
 FOREVER = 24 * 3600.0
 EXPIRED_GRACE = 0.5  # seconds a step whose wait ran out is reported missing without a new wait
 INTERRUPT_POLL = 0.2  # seconds between looks at whether a waiting request's caller got a signal
+POLL_FAST_FOR = 1.0  # seconds the log is read every `poll_min` after it moved or a wait started
 STATUS_NAME = layout.STATUS_NAME.encode()
 META_NAME = layout.META_NAME.encode()
 BATCH_NAME = b"_batch"
@@ -555,10 +556,12 @@ class LakeFS(pyfuse3.Operations):
 
     def poll_delay(self, unchanged: float) -> float:
         """Seconds until the next read of the log, `unchanged` seconds after it last moved or a
-        request started waiting for a step: an eighth of that, within `poll_interval`. A step is
-        seen at most an eighth of that time (and `poll_max`) after its commit; a stream that stays
-        still costs one read of the log per `poll_max`, however long it waits and whoever waits."""
-        return min(self.poll_max, max(self.poll_min, unchanged / 8))
+        request started waiting for a step: `poll_min` for the first `POLL_FAST_FOR` seconds (the
+        next commit usually comes at the producer's cadence), then an eighth of the time beyond
+        that, within `poll_interval`. A step committed within a second of the previous one (or of
+        the wait) is seen `poll_min` after its commit; a stream that stays still costs one read of
+        the log per `poll_max` after the first few seconds, however long it waits and whoever waits."""
+        return min(self.poll_max, max(self.poll_min, (unchanged - POLL_FAST_FOR) / 8))
 
     def _applied(self) -> None:
         """After the manifest moved: forget what a rewind or reclamation made stale, wake waiters, prefetch."""
