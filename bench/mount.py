@@ -50,6 +50,7 @@ and end is printed: on a small shared machine other work moves these figures a l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -634,6 +635,123 @@ def bench_latency(root: Path, a: argparse.Namespace, rows: list[list[str]], verd
                          f"with {gap:g} ms between commits", ok))  # fmt: skip
 
 
+# -- 4. CPU while idle ------------------------------------------------------------------------------
+
+IDLE_CODE = r"""
+import sys, time
+kind, url, start = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if kind == "reader":
+    import anyio, lakestream
+
+    async def main():
+        async with lakestream.open_reader(url, 0) as r:
+            print("ready", flush=True)
+            async for batch in r.steps(start):
+                print(time.monotonic_ns(), flush=True)
+                return
+
+    anyio.run(main)
+else:
+    from lakestream.torch import StreamDataset
+
+    it = iter(StreamDataset(url, rank=0, world_size=1, start=start, collate=kind == "collate"))
+    print("ready", flush=True)
+    next(it)
+    print(time.monotonic_ns(), flush=True)
+    it.close()
+"""
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads) so far, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_windows(pid: int, seconds: float) -> tuple[float, float]:
+    """The CPU of process `pid` as a fraction of a core over two halves of `seconds` of waiting."""
+    half = seconds / 2
+    c0 = proc_cpu_seconds(pid)
+    time.sleep(half)
+    c1 = proc_cpu_seconds(pid)
+    time.sleep(half)
+    c2 = proc_cpu_seconds(pid)
+    return (c1 - c0) / half, (c2 - c1) / half
+
+
+def bench_idle(root: Path, a: argparse.Namespace, rows: list[list[str]], verdicts: list[tuple[str, bool]]) -> None:
+    """A reader (`open_reader().steps()`), a StreamDataset and the mount daemon (with a reader
+    blocked in the lookup of the next step) waiting for a step that is not committed: the CPU of
+    the waiting process over two halves of `--idle` seconds (after a second to settle), then how
+    long after `flush()` returned the step committed at the end reached the waiter."""
+    stores: list[tuple[str, Callable[[], Any]]] = [("file://", contextlib.nullcontext)]
+    try:
+        from _common import SeaweedS3, find_weed
+
+        find_weed()
+        stores.append(("SeaweedFS", SeaweedS3))
+    except Exception as e:  # no `weed` binary: file:// only
+        log(f"idle: no SeaweedFS ({e}): file:// only")
+    n = 0
+    for store, server in stores:
+        with server() as s3:
+            saved = dict(os.environ)
+            if s3 is not None:
+                os.environ.update(s3.env())
+            try:
+                for kind in ("reader", "StreamDataset", "mount"):
+                    n += 1
+                    url = s3.new_stream() if s3 is not None else f"file://{root}/idle-{n}"
+                    run_async(create, url, 1)
+                    run_async(produce, url, "idle", iter([{"__key__": "a", "bin": b"x"}]))  # step 0
+                    log(f"idle: {kind} on {store}, {a.idle:g} s ...")
+                    first, second, visible = _idle_one(root, n, kind, url, a.idle)
+                    worst = max(first, second)
+                    ok = worst < 0.01
+                    rows.append([f"{kind} waiting for a step, CPU ({store}; 1st / 2nd half of {a.idle:g} s)",
+                                 f"{first:.4f} / {second:.4f} of a core", "", "",
+                                 "< 0.01 of a core", yes(ok)])  # fmt: skip
+                    rows.append(
+                        [f"  then committed: seen {fmt_ms(visible)} after flush() returned", "", "", "", "", ""]
+                    )
+                    verdicts.append((f"{kind} idle on {store}: {worst:.4f} of a core", ok))
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+
+
+def _idle_one(root: Path, n: int, kind: str, url: str, seconds: float) -> tuple[float, float, float]:
+    if kind == "mount":
+        with Mount(url, root / f"mnt-idle-{n}", root / f"mount-idle-{n}.log", "--wait", str(seconds + 60)) as m:
+            seen: list[int] = []
+            waiter = threading.Thread(
+                target=lambda: (os.stat(m.mountpoint / "rank-0" / f"{1:012d}"), seen.append(time.monotonic_ns()))
+            )
+            waiter.start()
+            time.sleep(1.0)
+            first, second = idle_windows(m.pid, seconds)
+            run_async(produce, url, "idle", iter([{"__key__": "b", "bin": b"y"}]))
+            flushed = time.monotonic_ns()
+            waiter.join(30)
+            return first, second, (seen[0] - flushed) / 1e9 if seen else float("nan")
+    code_kind = "reader" if kind == "reader" else "dataset"
+    child = subprocess.Popen([sys.executable, "-c", IDLE_CODE, code_kind, url, "1"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        if child.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"idle {kind}: the child did not start")
+        time.sleep(1.0)
+        first, second = idle_windows(child.pid, seconds)
+        run_async(produce, url, "idle", iter([{"__key__": "b", "bin": b"y"}]))
+        flushed = time.monotonic_ns()
+        out, _ = child.communicate(timeout=60)
+        return first, second, (int(out.split()[0]) - flushed) / 1e9
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
 # -- main ----------------------------------------------------------------------------------------
 
 
@@ -642,7 +760,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="under a minute: 64 MiB slices, fewer steps and commits")
     ap.add_argument("--smoke", action="store_true", help="a few seconds: 4 MiB slices, every part once")
     ap.add_argument("--buffer", type=int, default=1 * MiB, help="read buffer bytes (default 1 MiB)")
-    ap.add_argument("--only", default="large,small,latency", help="comma list of parts to run")
+    ap.add_argument("--only", default="large,small,latency,idle", help="comma list of parts to run")
+    ap.add_argument("--idle", type=float, help="seconds each waiter is measured idle in part 4 (20; 10 quick)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (mount logs)")
     ap.add_argument(
         "--gaps",
@@ -675,6 +794,7 @@ def main() -> int:
             "0,25,100,400",
         )
     a.gaps = a.gaps_opt or a.gaps
+    a.idle = a.idle or (1.0 if a.smoke else 10.0 if a.quick else 20.0)
     a.latency_commits = a.commits or a.latency_commits
 
     signal.signal(signal.SIGTERM, _on_signal)
@@ -698,6 +818,8 @@ def main() -> int:
                 bench_small(root, a, rows, verdicts)
             if "latency" in parts:
                 bench_latency(root, a, rows, verdicts)
+            if "idle" in parts:
+                bench_idle(root, a, rows, verdicts)
         finally:
             _close_all_mounts()  # before the temp dir goes
     print()

@@ -28,6 +28,7 @@ from ._lifecycle import checkpoint as _checkpoint
 from ._manifest import Manifest
 from ._retry import retry
 from ._segment import (
+    Block,
     ChecksumMismatch,
     FieldInfo,
     FieldRef,
@@ -35,7 +36,7 @@ from ._segment import (
     decode_columns,
     decode_part,
     describe_part,
-    expand_slice,
+    join_samples,
     parse_slice,
 )
 from ._state import State, Step
@@ -71,13 +72,16 @@ class RankBatch:
 
 @dataclass(frozen=True, slots=True)
 class RawSlice:
-    """One rank's slice of one step (checked), with where each field's bytes are: as stored, or
-    for a slice with array blocks, one buffer of per-sample files (each row of a block a `.npy`)."""
+    """One rank's slice of one step (checked), with where each field's bytes are in `data`, and
+    its array blocks by field. A field of a block (tag `a`) is its sample's row of the block: the
+    array's data, with no `.npy` header (`npy_header(block.dtype, block.shape)` is the one a
+    `.npy` file of it starts with); the block is `block.array(data)`, all rows back to back."""
 
     entry: Step
     rank: int
     data: bytes
     files: list[FieldRef]
+    blocks: dict[str, Block] = field(default_factory=dict)
 
     @property
     def step(self) -> int:
@@ -460,13 +464,12 @@ class Reader:
 
     async def fetch_rank_raw(self, entry: Step, rank: int) -> RawSlice:
         """`rank`'s samples of a committed step as one checked, indexed RawSlice (see `plan`): the
-        stored slice itself, or for a re-sliced step its pieces copied into one buffer."""
+        stored slice itself, or for a re-sliced step its samples copied into one buffer
+        (`join_samples`: a block field of one dtype and shape in every piece stays one block)."""
         pieces = self.plan(entry, rank)
         if len(pieces) == 1 and rank < len(entry.ranks) and pieces[0] == (rank, 0, entry.ranks[rank].samples):
             return await self.fetch_raw(entry, rank)
-        parts: list[bytes] = []
-        files: list[FieldRef] = []
-        size = 0
+        parts: list[tuple[Any, list[list[FieldRef]], dict[str, Block]]] = []
         for i, lo, hi in pieces:
             raw = await self.fetch_raw(entry, i)
             groups = _samples_of(raw.files)
@@ -475,15 +478,8 @@ class Reader:
                     f"{self._where(entry, i)}: the slice holds {len(groups)} samples (by key), "
                     f"the manifest says {entry.ranks[i].samples}"
                 )
-            keep = [f for group in groups[lo:hi] for f in group]
-            if not keep:
-                continue
-            start, end = keep[0].offset, keep[-1].offset + keep[-1].length  # fields lie in order in the payload
-            for f in keep:
-                files.append(FieldRef(f.key, f.field, f.tag, size + f.offset - start, f.length))
-            parts.append(raw.data[start:end])  # only this rank's bytes are kept
-            size += end - start
-        return RawSlice(entry, rank, b"".join(parts), files)
+            parts.append((raw.data, groups[lo:hi], raw.blocks))  # only this rank's bytes are kept
+        return RawSlice(entry, rank, *await anyio.to_thread.run_sync(join_samples, parts))
 
     async def describe_rank(self, entry: Step, rank: int) -> list[tuple[str, list[FieldInfo]]]:
         """`rank`'s samples of a committed step (see `plan`), each as its key and its fields described
@@ -521,11 +517,11 @@ class Reader:
             data = await anyio.to_thread.run_sync(bytes, data)
         where = self._where(entry, rank)
 
-        def check() -> tuple[bytes, list[FieldRef]]:
+        def check() -> tuple[bytes, list[FieldRef], dict[str, Block]]:
             if self.verify:
                 check_slice(data, entry.ranks[rank].digest, where, entry.checksum)
             index = parse_slice(data, where)
-            return expand_slice(data, index) if index.blocks else (data, index.refs)  # one file per field
+            return data, index.refs, index.blocks
 
         try:
             return RawSlice(entry, rank, *await anyio.to_thread.run_sync(check))

@@ -41,6 +41,7 @@ from ._layout import KEY_FIELD, RESERVED_KEYS
 __all__ = [
     "CHECKSUMS",
     "DEFAULT_CHECKSUM",
+    "Block",
     "ChecksumMismatch",
     "EncodedSample",
     "FieldInfo",
@@ -57,6 +58,8 @@ __all__ = [
     "encode_segment",
     "expand_slice",
     "index_slice",
+    "join_samples",
+    "npy_header",
     "npy_info",
     "parse_slice",
     "validate_name",
@@ -467,7 +470,9 @@ def _block(a: Any, count: int, offset: int) -> Block:
         raise ValueError(f"array field {name!r}: bad dtype {dtype!r}") from None
     if dt.str != dtype or dt.kind not in ARRAY_KINDS:
         raise ValueError(f"array field {name!r}: bad dtype {dtype!r}")
-    if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(type(d) is int and d >= 0 for d in shape)):
+    if not (
+        isinstance(shape, list) and len(shape) <= MAX_NDIM and all(type(d) is int and 0 <= d < 2**63 for d in shape)
+    ):
         raise ValueError(f"array field {name!r}: bad shape {shape!r:.80}")
     if n != count or type(n) is not int:
         raise ValueError(f"array field {name!r}: {n!r:.20} rows for {count} samples")
@@ -686,3 +691,56 @@ def expand_slice(data: Any, index: SliceIndex) -> tuple[bytes, list[FieldRef]]:
         parts.append(row)
         pos += ref.length
     return b"".join(parts), refs
+
+
+def join_samples(
+    parts: list[tuple[Any, list[list[FieldRef]], dict[str, Block]]],
+) -> tuple[bytes, list[FieldRef], dict[str, Block]]:
+    """Samples of several slices as one buffer, with their fields and blocks (a rank of a step
+    read as another world size than it was sealed for). `parts`: (a slice's data, the samples
+    kept, each its field refs, the slice's blocks). A block field of one dtype and shape in every
+    part with samples stays one block (its rows copied once, in order); a block field that is not
+    becomes a `.npy` file per sample (tag `n`); every other field's bytes are kept as they are."""
+    parts = [p for p in parts if p[1]]
+    merged: dict[str, tuple[np.dtype[Any], tuple[int, ...]]] = {}
+    if parts:
+        first = parts[0][2]
+        for name, b in first.items():
+            if all(
+                (o := blocks.get(name)) is not None and (o.dtype, o.shape) == (b.dtype, b.shape)
+                for _, _, blocks in parts
+            ):
+                merged[name] = (b.dtype, b.shape)
+    count = sum(len(groups) for _, groups, _ in parts)
+    out: list[Any] = []
+    pos = 0
+    blocks: dict[str, Block] = {}
+    for name, (dtype, shape) in merged.items():
+        blocks[name] = block = Block(name, dtype, shape, count, pos)
+        for data, groups, _ in parts:
+            rows = [f for f in groups[0] + groups[-1] if f.field == name]
+            start, end = rows[0].offset, rows[-1].offset + rows[-1].length  # rows of a block lie in order
+            out.append(memoryview(data)[start:end])
+            pos += end - start
+        assert pos == block.offset + count * block.row_bytes
+    refs: list[FieldRef] = []
+    row = 0
+    for data, groups, old in parts:
+        view = memoryview(data)
+        headers = {name: npy_header(b.dtype, b.shape) for name, b in old.items() if name not in merged}
+        for group in groups:
+            for f in group:
+                if f.tag == "a" and f.field in blocks:
+                    b = blocks[f.field]
+                    refs.append(FieldRef(f.key, f.field, "a", b.offset + row * b.row_bytes, b.row_bytes))
+                    continue
+                if f.tag == "a":
+                    out.append(headers[f.field])
+                    refs.append(FieldRef(f.key, f.field, "n", pos, len(headers[f.field]) + f.length))
+                    pos += len(headers[f.field])
+                else:
+                    refs.append(FieldRef(f.key, f.field, f.tag, pos, f.length))
+                out.append(view[f.offset : f.offset + f.length])
+                pos += f.length
+            row += 1
+    return b"".join(out), refs, blocks

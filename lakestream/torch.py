@@ -23,7 +23,8 @@ field: tensor or list, ...}`. A field that is a numpy array of one dtype and sha
 of the rank slice is one tensor of shape `(n, *shape)`, in sample order; any other field a list of
 each sample's value (arrays as tensors; None where a sample has no such field). StreamDataset's
 tensors are views of one copy of the fetched slice (the producer stored such a field as one block);
-MountDataset reads each sample's file straight into the tensor. A field named `step` or `keys`
+MountDataset reads such a field's `_batch/<field>.npy` (one open and one read) into one buffer that
+the tensor is a view of, and other `.npy` fields' files straight into one tensor. A field named `step` or `keys`
 cannot be collated (ValueError).
 
 `state_dict()` is `{"next_step": n}`, the step after the last one yielded; each new iterator starts
@@ -76,11 +77,13 @@ import torch
 import torch.utils.data
 
 import lakestream
+from lakestream._segment import npy_info
 
 __all__ = ["CheckpointHook", "MountDataset", "StreamDataset", "checkpoint_hook", "resolve_rank"]
 
 NPY_MAGIC = b"\x93NUMPY"
 META_NAME = "_meta.json"
+BATCH_NAME = "_batch"
 STATUS_NAME = "_status.json"
 
 
@@ -551,8 +554,9 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
     StepUnavailable),
     reads `_meta.json` for the keys and files in put order, and decodes every `<key>.<field>` file
     with `decode_file` (exact with `_meta.json`'s "types", else guessed from the extension).
-    With `collate`, a field whose files are `.npy` of one dtype and shape for every sample is read
-    straight into one array (`read_columns`). Options and `state_dict` semantics as for `StreamDataset`.
+    With `collate`, a field the mount serves as `_batch/<field>.npy` (`_meta.json`'s "batch": the
+    producer stored it as one block) is read with one open and one read, and any other field whose
+    files are `.npy` of one dtype and shape for every sample straight into one array (`read_columns`). Options and `state_dict` semantics as for `StreamDataset`.
     """
 
     def __init__(
@@ -625,6 +629,7 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
         d, meta = self._open_step(step)
         types: dict[str, str] = meta.get("types") or {}
         keys: list[str] = meta["keys"]
+        batch: dict[str, int] = meta.get("batch") or {}  # `_batch/<field>.npy` -> size
         files: dict[str, dict[str, str]] = {}  # field -> key -> file name, fields in put order
         for name in meta["files"]:
             key, _, field = name.partition(".")
@@ -634,7 +639,10 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
             if field == "keys":
                 raise ValueError(f"{d}: a field named 'keys' cannot be collated: use collate=False")
             column: Any = None
-            if len(names) == len(keys) and all(types.get(n) == "n" for n in names.values()):
+            size = batch.get(f"{field}.npy")
+            if type(size) is int:
+                column = _read_batch(os.path.join(d, BATCH_NAME, f"{field}.npy"), size, len(keys))
+            elif len(names) == len(keys) and all(types.get(n) == "n" for n in names.values()):
                 column = _read_npy_column([os.path.join(d, names[k]) for k in keys])
             if column is None:
                 column = []
@@ -687,6 +695,26 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
 def _numpy(value: Any) -> Any:
     """A decoded file's value with tensors back as numpy arrays (columns hold numpy until the item)."""
     return value.numpy() if isinstance(value, torch.Tensor) else value
+
+
+def _read_batch(path: str, size: int, n: int) -> np.ndarray:
+    """A step's `_batch/<field>.npy` of `size` bytes (from `_meta.json`): one open and one read
+    into one buffer, whose array part is the column (`(n, *shape)`, writable, no other copy)."""
+    buf = np.empty(size, np.uint8)
+    view = memoryview(buf.data)
+    with open(path, "rb", buffering=0) as f:
+        got = 0
+        while got < size and (k := f.readinto(view[got:])):  # one read, unless the kernel returns less
+            got += k
+        if got != size or f.read(1):
+            raise lakestream.CorruptData(f"{path}: not the {size} bytes _meta.json says")
+    try:
+        dtype, shape, fortran, start = npy_info(buf)
+    except ValueError as e:
+        raise lakestream.CorruptData(f"{path}: {e}") from None
+    if fortran or not shape or shape[0] != n:
+        raise lakestream.CorruptData(f"{path}: an array of shape {shape}, expected {n} C-order rows")
+    return buf[start:].view(dtype).reshape(shape)
 
 
 def _read_npy_column(paths: list[str]) -> np.ndarray | None:

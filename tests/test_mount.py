@@ -588,6 +588,29 @@ def test_callers_that_handle_signals_still_wait_for_the_commit(tmp_path: Path, m
                 p.communicate()
 
 
+def test_the_log_is_read_every_poll_min_for_a_second_after_it_moved_or_a_wait_started(tmp_path: Path) -> None:
+    """A producer's next commit usually comes within a second of the last one (and a reader's
+    wait for it starts in between): the follower keeps reading the log every `poll_min` for
+    that second, so the commit is seen within `poll_min`, and only then backs off (an eighth of
+    the time beyond the second, up to `poll_max`), so a still stream costs a read per `poll_max`."""
+    from lakestream_mount._fs import LakeFS
+
+    url = file_url(tmp_path / "stream")
+    create(url, 1, 1)
+
+    async def delays(unchanged: list[float]) -> list[float]:
+        async with lakestream.open_reader(url, None, prefetch=0) as reader:
+            fs = LakeFS(reader, None, poll_interval=(0.002, 0.25))
+            return [fs.poll_delay(u) for u in unchanged]
+
+    fast = [0.0, 0.01, 0.1, 0.25, 0.5, 0.75, 0.99, 1.0]
+    assert anyio.run(delays, fast) == [0.002] * len(fast)
+    ramp = [1.0 + d for d in (0.01, 0.1, 0.5, 1.0, 1.5, 2.0, 2.5, 10.0, 3600.0)]
+    got = anyio.run(delays, ramp)
+    assert got == sorted(got) and got[0] == 0.002 and got[-1] == 0.25
+    assert got[2] == pytest.approx(0.5 / 8) and got[-2] == 0.25
+
+
 # -- 4. latest -----------------------------------------------------------------------------------------
 
 

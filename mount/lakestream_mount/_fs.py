@@ -5,6 +5,7 @@
     MOUNTPOINT/rank-<r>/END                        {"closed_after": E} once the stream ended after step E
     MOUNTPOINT/rank-<r>/<step:012d>/<key>.<field>  one file per sample field
     MOUNTPOINT/rank-<r>/<step:012d>/_meta.json     step, version, producer, keys, sizes
+    MOUNTPOINT/rank-<r>/<step:012d>/_batch/<field>.npy  an array field of every sample, one `.npy`
 
 Theory of operation.
 
@@ -43,6 +44,10 @@ Theory of operation.
   not block (what makes the kernel send FUSE_INTERRUPT), and if so answers EINTR: the caller then
   dies of the signal, runs its handler (Python's `open()` retries after one that returns, PEP
   475), or sees EINTR. Without a signal nothing changes: the request waits for the commit.
+- Array blocks. A field the producer stored as one block (a numpy array of one dtype and shape
+  in every sample of the slice) is served twice from the same bytes, never copied: each sample's
+  `<key>.<field>` is a `.npy` header and that sample's row, and `_batch/<field>.npy` a header of
+  shape (n, ...) and the whole block. `_batch` exists only in a step with such a field.
 - Reads come from a bounded cache of whole rank slices, fetched with one range GET each, checked
   (CRC-32) and indexed into bytes the mount owns; concurrent reads of one slice share the fetch.
   Names from a slice are checked before they become file names: a hostile one is CorruptData.
@@ -76,6 +81,7 @@ from lakestream import _layout as layout
 from lakestream import metrics
 from lakestream._config import LIMITS
 from lakestream._retry import Backoff  # the library's one backoff policy (same distribution)
+from lakestream._segment import npy_header
 
 from ._mounts import mounts_at
 
@@ -90,11 +96,14 @@ MAX_WORLD = LIMITS["world_size"][1]
 END_BASE = RANK_BASE + 2 * MAX_WORLD  # rank r: `END` END_BASE + r
 NODE_BASE = END_BASE + MAX_WORLD  # nodes above every fixed number
 META = -1  # the file index of `_meta.json`
+BATCH = -2  # the index of a step's `_batch` directory in its listing
 FOREVER = 24 * 3600.0
 EXPIRED_GRACE = 0.5  # seconds a step whose wait ran out is reported missing without a new wait
 INTERRUPT_POLL = 0.2  # seconds between looks at whether a waiting request's caller got a signal
+POLL_FAST_FOR = 1.0  # seconds the log is read every `poll_min` after it moved or a wait started
 STATUS_NAME = layout.STATUS_NAME.encode()
 META_NAME = layout.META_NAME.encode()
+BATCH_NAME = b"_batch"
 LATEST_NAME = layout.LATEST_NAME.encode()
 END_NAME = layout.END_NAME.encode()
 
@@ -213,8 +222,8 @@ def _handler(
 
 @dataclass(eq=False, slots=True)
 class Node:
-    """A step directory (`step`), one of its files (`file`), or a step directory not committed
-    yet (`pending`), of one rank. `entry` is the TGB it shows (None while pending)."""
+    """A step directory (`step`), its `_batch` directory (`batch`), a file of either (`file`), or a
+    step directory not committed yet (`pending`), of one rank. `entry` is the TGB it shows (None while pending)."""
 
     inode: int
     kind: str
@@ -222,7 +231,7 @@ class Node:
     step: int
     entry: lakestream.Step | None
     world: int  # the world size its step is read as (a reshape makes it stale like a rewind)
-    index: int = META  # file: index in the slice's files, META for `_meta.json`
+    index: int = META  # file: index in the slice's files (`Slice.files`), META for `_meta.json`
     size: int = 0
     lookups: int = 0
     invalidated: bool = False
@@ -283,24 +292,58 @@ class Inodes:
 
 
 @dataclass(frozen=True, slots=True)
+class File:
+    """A file of a step: `prefix` (a `.npy` header, or nothing) then `length` bytes of the slice
+    from `offset` on. Its bytes are served from the fetched slice as they are, never copied into
+    a file of their own."""
+
+    prefix: bytes
+    offset: int
+    length: int
+
+    @property
+    def size(self) -> int:
+        return len(self.prefix) + self.length
+
+    def read(self, data: memoryview, off: int, size: int) -> bytes | memoryview:
+        """Bytes `off`..`off + size` of the file."""
+        n = len(self.prefix)
+        end = min(off + size, n + self.length)
+        if off >= n:  # past the header: a view of the slice, no copy before pyfuse3's own
+            return data[self.offset + off - n : self.offset + max(end - n, off - n)]
+        return self.prefix[off:end] + data[self.offset : self.offset + max(end - n, 0)]
+
+
+@dataclass(frozen=True, slots=True)
 class Slice:
-    """A fetched rank slice with what serving it needs: file names and `_meta.json`, computed once."""
+    """A fetched rank slice with what serving it needs: its files, their names and `_meta.json`,
+    computed once. `names`: the step directory's `<key>.<field>` files; `batch`: `_batch/`'s
+    `<field>.npy` files, one per array block (a field of one dtype and shape in every sample)."""
 
     entry: lakestream.Step
     rank: int
     data: memoryview
-    files: list[lakestream.FieldRef]
+    files: list[File]
     names: dict[bytes, int]  # file name -> index in `files`
+    batch: dict[bytes, int]  # `_batch/` file name -> index in `files`
     meta: bytes  # the `_meta.json` content
 
     @classmethod
     def of(cls, raw: lakestream.RawSlice, where: str, world_size: int | None = None) -> Slice:
-        e, files = raw.entry, raw.files
-        names = check_names(files, where)
-        keys = list(dict.fromkeys(f.key for f in files))
+        e, refs = raw.entry, raw.files
+        names = check_names(refs, where)
+        headers = {name: npy_header(b.dtype, b.shape) for name, b in raw.blocks.items()}
+        files = [File(headers[f.field] if f.tag == "a" else b"", f.offset, f.length) for f in refs]
+        batch: dict[bytes, int] = {}
+        for name, b in raw.blocks.items():
+            file_name = f"{name}.npy".encode()
+            if len(file_name) <= 255:  # else read from the samples' files only
+                batch[file_name] = len(files)
+                files.append(File(npy_header(b.dtype, (b.count, *b.shape)), b.offset, b.count * b.row_bytes))
+        keys = list(dict.fromkeys(f.key for f in refs))
         sources = {  # under a mixture: the source of every sample
             f.key: bytes(raw.data[f.offset : f.offset + f.length]).decode("utf-8", "replace")
-            for f in files
+            for f in refs
             if f.field == layout.SOURCE_FIELD and f.tag == "s" and f.length <= 256
         }
         meta = orjson.dumps(
@@ -308,15 +351,16 @@ class Slice:
                 "step": e.step, "rank": raw.rank, "version": e.version, "producer": e.producer,
                 "epoch": e.epoch, "seq": e.seq, "segment": e.segment, "samples": len(keys),
                 "keys": keys,
-                "files": {f"{f.key}.{f.field}": f.length for f in files},
-                "types": {f"{f.key}.{f.field}": f.tag for f in files},
+                "files": {f"{f.key}.{f.field}": files[i].size for i, f in enumerate(refs)},
+                "types": {f"{f.key}.{f.field}": "n" if f.tag == "a" else f.tag for f in refs},
                 "world_size": world_size if world_size is not None else len(e.ranks),  # the shape of the step
                 "stored_world_size": len(e.ranks),  # the slices it was sealed as (re-sliced when it differs)
             }
-            | ({"sources": sources} if sources else {}),
+            | ({"sources": sources} if sources else {})
+            | ({"batch": {n.decode(): files[i].size for n, i in batch.items()}} if batch else {}),
             option=orjson.OPT_INDENT_2,
         )  # fmt: skip
-        return cls(e, raw.rank, memoryview(raw.data), files, names, meta)
+        return cls(e, raw.rank, memoryview(raw.data), files, names, batch, meta)
 
 
 @dataclass(slots=True)
@@ -428,6 +472,7 @@ class LakeFS(pyfuse3.Operations):
         self.follow_error: str | None = None
         self.closing = anyio.Event()
         self._waiters = 0
+        self._wait_started = 0.0  # when the newest wait for a step started
         self.detached = False
         self.mountpoint = mountpoint
         self._checked_mount = time.monotonic()
@@ -470,14 +515,15 @@ class LakeFS(pyfuse3.Operations):
     # -- following the manifest and prefetching ----------------------------------------------
 
     async def follow(self, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
-        """Poll the manifest (fast while someone waits for a step), wake waiters, prefetch.
+        """Poll the manifest (backing off while it does not move: `poll_delay`; at once when a
+        request starts waiting for a step), wake waiters, prefetch.
 
         Never raises for a store that fails: it retries with backoff and jitter for as long as
         it takes, and the mount keeps serving what it has meanwhile."""
         async with anyio.create_task_group() as tg:
             self._tg = tg
             task_status.started()
-            interval = self.poll_min
+            last_change = time.monotonic()
             failures = 0
             self._prefetch()
             while not self.closing.is_set():
@@ -498,19 +544,24 @@ class LakeFS(pyfuse3.Operations):
                 if failures:
                     log.warning("following %s again after %d failures", self.reader.url, failures)
                     failures, self.follow_error = 0, None
+                now = time.monotonic()
                 if changed:
-                    interval = self.poll_min
+                    last_change = now
                     self._applied()
-                elif self._waiters:
-                    interval = self.poll_min  # someone waits for a step: keep looking
-                else:
-                    interval = min(interval * 2, self.poll_max)
-                with anyio.move_on_after(interval):
-                    await self._poke.wait()
-                    interval = self.poll_min
+                with anyio.move_on_after(self.poll_delay(now - max(last_change, self._wait_started))):
+                    await self._poke.wait()  # a new waiter: look once now
                 if self._poke.is_set():
                     self._poke = anyio.Event()
                 self._check_unmounted()
+
+    def poll_delay(self, unchanged: float) -> float:
+        """Seconds until the next read of the log, `unchanged` seconds after it last moved or a
+        request started waiting for a step: `poll_min` for the first `POLL_FAST_FOR` seconds (the
+        next commit usually comes at the producer's cadence), then an eighth of the time beyond
+        that, within `poll_interval`. A step committed within a second of the previous one (or of
+        the wait) is seen `poll_min` after its commit; a stream that stays still costs one read of
+        the log per `poll_max` after the first few seconds, however long it waits and whoever waits."""
+        return min(self.poll_max, max(self.poll_min, (unchanged - POLL_FAST_FOR) / 8))
 
     def _applied(self) -> None:
         """After the manifest moved: forget what a rewind or reclamation made stale, wake waiters, prefetch."""
@@ -602,6 +653,7 @@ class LakeFS(pyfuse3.Operations):
         started = time.monotonic()
         deadline = started + self.wait
         self._waiters += 1
+        waited = False
         try:
             while step > self.state.head:
                 left = deadline - time.monotonic()
@@ -610,7 +662,10 @@ class LakeFS(pyfuse3.Operations):
                 if signal_pending(caller):
                     log.info("step %d: caller %d got a signal while waiting for it: EINTR", step, caller)
                     raise pyfuse3.FUSEError(errno.EINTR)
-                self._poke.set()
+                if not waited:
+                    waited = True
+                    self._wait_started = time.monotonic()
+                    self._poke.set()
                 changed = self._changed
                 with anyio.move_on_after(min(left, INTERRUPT_POLL) if caller > 0 else left):
                     await changed.wait()
@@ -753,14 +808,16 @@ class LakeFS(pyfuse3.Operations):
     async def lookup(self, parent: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
         if parent in self.inodes.nodes:
             node = await self._node(parent, ctx)
-            if node.kind != "step":
+            if node.kind not in ("step", "batch"):
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
             sl = await self._slice(node)
-            index = META if name == META_NAME else sl.names.get(name)
+            assert node.entry is not None
+            if node.kind == "step" and name == BATCH_NAME and sl.batch:
+                return self._ref(self.inodes.get("batch", node.rank, node.step, node.entry, node.world))
+            index = sl.batch.get(name) if node.kind == "batch" else META if name == META_NAME else sl.names.get(name)
             if index is None:
                 raise pyfuse3.FUSEError(errno.ENOENT)
-            assert node.entry is not None
-            size = len(sl.meta) if index == META else sl.files[index].length
+            size = len(sl.meta) if index == META else sl.files[index].size
             return self._ref(self.inodes.get("file", node.rank, node.step, node.entry, node.world, index, size))
         kind, r = self._fixed(parent)
         if kind == "root":
@@ -812,7 +869,7 @@ class LakeFS(pyfuse3.Operations):
     async def opendir(self, inode: int, ctx: Any = None) -> int:
         if inode in self.inodes.nodes:
             node = await self._node(inode, ctx)
-            if node.kind != "step":
+            if node.kind not in ("step", "batch"):
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
             return self._open_handle(node)
         kind, _ = self._fixed(inode)
@@ -831,14 +888,21 @@ class LakeFS(pyfuse3.Operations):
     @_handler
     async def readdir(self, fh: int, start_id: int, token: Any) -> None:
         target = self._handles.get(fh)
-        if isinstance(target, Node):  # a step directory, as of the TGB it was opened at
+        if isinstance(target, Node):  # a step directory or its `_batch`, as of the TGB it was opened at
             assert target.entry is not None
             sl = await self.cache.get(target.rank, target.entry, target.world)
-            names = [(META_NAME, META), *sl.names.items()]
+            t = target
+            if t.kind == "batch":
+                names = list(sl.batch.items())
+            else:
+                names = [(META_NAME, META), *([(BATCH_NAME, BATCH)] if sl.batch else []), *sl.names.items()]
             for i in range(start_id, len(names)):
                 name, index = names[i]
-                size = len(sl.meta) if index == META else sl.files[index].length
-                node = self.inodes.get("file", target.rank, target.step, target.entry, target.world, index, size)
+                if index == BATCH:
+                    node = self.inodes.get("batch", t.rank, t.step, t.entry, t.world)
+                else:
+                    size = len(sl.meta) if index == META else sl.files[index].size
+                    node = self.inodes.get("file", t.rank, t.step, t.entry, t.world, index, size)
                 if not self._reply(token, name, node, i + 1):
                     return
             return
@@ -904,10 +968,7 @@ class LakeFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ESTALE) from None
         if target.index == META:
             return sl.meta[off : off + size]
-        f = sl.files[target.index]
-        start = f.offset + min(off, f.length)
-        end = f.offset + min(off + size, f.length)
-        return sl.data[start:end]  # type: ignore[return-value]  # a memoryview: no copy before pyfuse3's own
+        return sl.files[target.index].read(sl.data, off, size)  # type: ignore[return-value]  # see File.read
 
     async def release(self, fh: int) -> None:
         self._handles.pop(fh, None)
