@@ -931,7 +931,7 @@ class Producer:
 
     async def _combine_round(self, *, took_over: bool = False) -> None:
         if decisions.room(self.manifest.state, self._mark) < 4 * COMBINE_FULL:  # else the mark can wait
-            await self._read_mark_if_stale(COMBINE_EVERY[0] / 2)  # (every round: it is what holds them back)
+            await self._read_mark_if_stale()
         result = await self._combiner.round(self._mark, self._wall())
         state = self.manifest.state
         self._seen, self._moved_at = max(self._seen, state.version), self._clock()
@@ -1008,9 +1008,9 @@ class Producer:
             self._tail_head = max(self._tail_head, tail.head)
         return tail
 
-    async def _read_mark_if_stale(self, age: float = HOLD_POLL[1]) -> None:
-        """Read the consumption mark again if back-pressure is on and it is older than `age`."""
-        if self.config.max_steps_ahead and self._clock() - self._mark_at > age:
+    async def _read_mark_if_stale(self) -> None:
+        """Read the consumption mark again if back-pressure is on and it is older than HOLD_POLL[1]."""
+        if self.config.max_steps_ahead and self._clock() - self._mark_at > HOLD_POLL[1]:
             await self._read_mark()
 
     async def _read_mark(self) -> None:

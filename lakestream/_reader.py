@@ -45,7 +45,7 @@ from ._tasks import cancel_task_group, enter_task_group
 
 __all__ = ["RankBatch", "RawSlice", "Reader"]
 
-PUBLISH_EVERY = 0.25  # seconds between puts of the consumption mark, at most
+PUBLISH_EVERY = 0.5  # seconds between puts of the consumption mark, at most
 
 log = logging.getLogger("lakestream.reader")
 
