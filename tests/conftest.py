@@ -95,9 +95,13 @@ def stream_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test that uses the S3 server `s3`."""
+    """Mark every test that uses the S3 server `s3`, and the longest ones (scheduling.FIRST) `slow`."""
+    from scheduling import is_slow
+
     for item in items:
         callspec = getattr(item, "callspec", None)
         uses_s3 = callspec is not None and callspec.params.get("stream_url") == "s3"
         if uses_s3 or "s3_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.s3)
+        if is_slow(item.nodeid):
+            item.add_marker(pytest.mark.slow)

@@ -8,7 +8,8 @@ groups are named here, by node id, and the controller's scheduler (conftest.py) 
   cluster (one cluster on the machine at a time, and test_fleet's module cluster started once).
 * Every other test is a unit of its own, handed to the next idle worker.
 * The longest units start first (FIRST, slowest first, measured), so that none of them is left to
-  run alone at the end; the rest follow in collection order.
+  run alone at the end; the rest follow in collection order. Their tests are marked `slow`
+  (`pytest -m "not slow"` is a quicker run, not the suite).
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ FIRST = [
 def group_of(nodeid: str) -> str:
     """The unit a test belongs to: its group, or the test itself."""
     return next((group for prefix, group in GROUPS if nodeid.startswith(prefix)), nodeid)
+
+
+def is_slow(nodeid: str) -> bool:
+    """Whether a test is one of the longest (FIRST): conftest.py marks those `slow`."""
+    return rank(group_of(nodeid)) < len(FIRST)
 
 
 def rank(unit: str) -> int:
