@@ -1,4 +1,4 @@
-"""How pytest-xdist hands this suite's tests to its workers (`-n 4 --dist loadgroup`, pyproject.toml).
+"""How pytest-xdist hands this suite's tests to its workers (`-n 3 --dist loadgroup`, pyproject.toml).
 
 xdist's own `loadgroup` groups by the `xdist_group` mark through the node id, which pytest 9.2 no
 longer lets it change (pytest-xdist issue 1386): the marks would be ignored without a word. So the
