@@ -30,6 +30,7 @@ FIRST = [
     "ray",
     "tests/test_torture.py::",
     "tests/test_bench.py::test_e2e_bench_smoke",
+    "tests/test_scale_processes.py::test_128_combining_producers",
     "tests/test_bench.py::test_sources_bench_smoke",
     "tests/test_torch.py::test_crash_and_resume_reproduce_the_uninterrupted_losses_bit_for_bit",
     "tests/test_mount.py::test_the_mount_outlives_an_s3_outage_and_follows_the_stream_again",
