@@ -23,6 +23,7 @@ __all__ = [
     "LAKESTREAM",
     "cli_env",
     "cursor_position",
+    "head_step",
     "make_source_dir",
     "read_out_dir",
     "run_cli",
@@ -119,6 +120,16 @@ def read_out_dir(out: Path) -> dict[int, dict[str, bytes]]:
             files[f.name] = f.read_bytes()
         steps[int(d.name)] = files
     return steps
+
+
+def head_step(url: str) -> int:
+    """The stream's head step, read in this process: a poll that costs a file read, not a CLI start (which
+    takes most of a second of CPU, and seconds on a busy machine, while the producer polled for runs on)."""
+    import anyio
+
+    import lakestream
+
+    return anyio.run(lakestream.load_state, url).head
 
 
 def wait_until(predicate: Callable[[], T], timeout: float = 30.0, what: str = "condition") -> T:

@@ -1,12 +1,67 @@
-"""Shared fixtures. `s3_server` runs a real SeaweedFS S3 server for the session (see s3server.py)."""
+"""Shared fixtures. `s3_server` runs a real SeaweedFS S3 server for the session (see s3server.py); with
+pytest-xdist (`-n` in pyproject.toml) each worker is a session of its own, with a server of its own.
+
+Nothing outlives the run: every process it starts carries LAKESTREAM_TEST_RUN in its environment, and
+a reaper (reaper.py), started first and watching a pipe from the run, ends what is left of them and
+unmounts what is left mounted once the run ends, is interrupted or is killed."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+from reaper import RUN_VAR
 from s3server import S3Server, WeedNotFound, find_weed
+
+REAPER = pytest.StashKey[subprocess.Popen[bytes]]()
+
+# Hypothesis's per-example deadline (200 ms) and its too-slow check time the machine, not the code: with
+# four workers on two cores, shared with other work, an example waits for a core. Every example still runs;
+# pytest-timeout bounds a test that hangs.
+settings.register_profile("suite", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("suite")
+
+
+@pytest.hookimpl(trylast=True)  # after the tmp_path plugin's configure: the run's base temp dir is known
+def pytest_configure(config: pytest.Config) -> None:
+    """In the run's first process (the xdist controller, or the only one), before any worker starts: mark the
+    environment every later process inherits, and start the reaper in a session of its own (a Ctrl-C at the
+    terminal does not reach it), with the read end of a pipe only this process writes to."""
+    if hasattr(config, "workerinput") or RUN_VAR in os.environ:
+        return  # an xdist worker, or a run inside a run: the outer reaper covers it
+    run = uuid.uuid4().hex
+    os.environ[RUN_VAR] = run
+    temp = str(config._tmp_path_factory.getbasetemp())  # type: ignore[attr-defined]  # xdist uses it too
+    argv = [sys.executable, str(Path(__file__).with_name("reaper.py")), run, str(os.getpid()), temp]
+    config.stash[REAPER] = subprocess.Popen(argv, stdin=subprocess.PIPE, start_new_session=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`--dist loadgroup` (pyproject.toml): this suite's groups and order (see scheduling.py)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from scheduling import Scheduling
+
+    return Scheduling(config, log)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Close the reaper's pipe and wait for it to have ended what the run left (nothing, normally)."""
+    reaper = config.stash.get(REAPER, None)
+    if reaper is not None:
+        assert reaper.stdin is not None
+        reaper.stdin.close()
+        try:
+            reaper.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 @pytest.fixture(scope="session")
@@ -40,9 +95,13 @@ def stream_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test that uses the S3 server `s3`."""
+    """Mark every test that uses the S3 server `s3`, and the longest ones (scheduling.FIRST) `slow`."""
+    from scheduling import is_slow
+
     for item in items:
         callspec = getattr(item, "callspec", None)
         uses_s3 = callspec is not None and callspec.params.get("stream_url") == "s3"
         if uses_s3 or "s3_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.s3)
+        if is_slow(item.nodeid):
+            item.add_marker(pytest.mark.slow)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cliutil import describe, run_cli, spawn_cli, wait_until
+from cliutil import describe, head_step, run_cli, spawn_cli, wait_until
 from test_sources import file_url, make_parquet, make_wds, read_values, status
 
 from lakestream import ConfigMismatch, sources
@@ -90,7 +90,7 @@ def test_produce_two_shuffled_epochs_killed_and_rerun_commits_the_sequence_once(
     command = ["produce", url, "--producer-id", "p", "--source", spec, "--epochs", 2, "--shuffle-seed", 7]
     proc = spawn_cli(*command, "--max-inflight-bytes", 1, "--rate", 50)
     try:  # killed in the second epoch: 60 samples an epoch, 2 a step
-        wait_until(lambda: status(url)["head_step"] >= 34, timeout=20, what="35 committed steps")
+        wait_until(lambda: head_step(url) >= 34, timeout=20, what="35 committed steps")
     finally:
         proc.kill()
         proc.communicate()

@@ -401,7 +401,7 @@ def test_a_packer_killed_after_its_finish_packs_on_its_next_run(tmp_path: Path) 
     make_source_dir(tmp_path / "b", "b", 30, rng)
     b = subprocess.Popen(
         [sys.executable, "-c", KILL_ON_PACK, "produce", url, "--producer-id", "b", "--from-dir", str(tmp_path / "b"),
-         "--rate", "3"],  # slow: a runs to its end meanwhile
+         "--rate", "2"],  # slow (15 s): a, a CLI start and 21 files, runs to its end meanwhile
         env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     wait_until(lambda: "b" in status(url)["producers"], what="b registered")

@@ -148,16 +148,16 @@ def test_baselines() -> None:
 
 
 class RecordingDac(DacPolicy):
-    """DAC that records, for every decision, how long its oldest TGB will have waited."""
+    """DAC that records, for every decision, the age of its oldest TGB, the wait it adds, and the paced interval."""
 
-    def __init__(self, waits: list[tuple[float, float]], **kw) -> None:
+    def __init__(self, waits: list[tuple[float, float, float]], **kw) -> None:
         super().__init__(**kw)
         self.waits = waits
 
     def decide(self, obs: Observation):  # type: ignore[no-untyped-def]
         d = super().decide(obs)
         fair = self.multiplier * max(obs.active_producers, round(self._peak)) * self.latency
-        self.waits.append((obs.oldest_age + d.delay, fair))
+        self.waits.append((obs.oldest_age, d.delay, fair))
         return d
 
 
@@ -166,7 +166,7 @@ async def test_32_producers_no_livelock_exactly_once_ceiling_respected() -> None
     await lakestream.create(inner, world_size=2, global_batch=2)
     fast = {op: (0.004, 0.3) for op in ("get", "get_range", "put", "put_if_absent", "list", "delete")}
     store = FaultyStore(inner, latency=fast, rng=random.Random(7))
-    waits: list[tuple[float, float]] = []
+    waits: list[tuple[float, float, float]] = []
     ceiling = 1.5
     n_producers, per_producer = 32, 24
     stats = []
@@ -192,6 +192,12 @@ async def test_32_producers_no_livelock_exactly_once_ceiling_respected() -> None
                 keys.update(f.key for f in (await r.fetch_raw(step, rank)).files)
     assert keys == Counter(f"p{k}-{i}" for k in range(n_producers) for i in range(per_producer))
     assert sum(s.tgbs_committed for s in stats) == len(state.steps) == n_producers * per_producer // 2
-    held = [w for w, fair in waits if fair <= ceiling]
-    assert held and max(held) <= ceiling + 1e-6
+    # While the slot can carry the ceiling (the paced interval is below it), no wait the policy adds
+    # takes the oldest TGB past it. A TGB may reach the decision older than the ceiling already (it
+    # became ready during a commit that lost races, or the loop ran late on a loaded machine): that
+    # one is put at once. The wall clock of the run is not the policy's to bound.
+    held = [(age, delay) for age, delay, fair in waits if fair <= ceiling]
+    assert any(delay > 0 for _, delay in held)
+    late = [(age, delay) for age, delay in held if delay > 0 and age + delay > ceiling + 1e-6]
+    assert not late, late
     assert sum(s.commits for s in stats) < len(state.steps)  # grouping happened

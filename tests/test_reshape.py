@@ -520,7 +520,8 @@ def test_a_new_global_batch_while_a_producer_runs_is_re_produced_exactly_once(
     url = stream_url
     n = 400
     anyio.run(lambda: lakestream.create(url, world_size=2, global_batch=8))
-    produce = ["produce", url, "--producer-id", "a", "--synthetic", n, "--sample-size", 32, "--rate", 40]
+    # 25 s at this rate: the reshape (a CLI start, seconds on a busy machine) lands while it runs
+    produce = ["produce", url, "--producer-id", "a", "--synthetic", n, "--sample-size", 32, "--rate", 16]
     proc = spawn_cli(*produce)
     try:
         wait_until(lambda: anyio.run(lakestream.load_state, url).head >= 10, what="10 steps")

@@ -15,7 +15,7 @@ import anyio
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from cliutil import describe, make_source_dir, read_out_dir, run_cli, spawn_cli, wait_until
+from cliutil import describe, head_step, make_source_dir, read_out_dir, run_cli, spawn_cli, wait_until
 
 import lakestream
 from lakestream.sources import expand_braces, open_source
@@ -211,7 +211,7 @@ def test_sigkill_mid_shard_then_rerun_commits_every_sample_once(tmp_path: Path, 
     command = ["produce", url, "--producer-id", "p", *source, "--max-inflight-bytes", 1, "--rate", 40]
     proc = spawn_cli(*command)
     try:  # killed in the second file: 40 samples a file, 2 a step
-        wait_until(lambda: status(url)["head_step"] >= 24, timeout=20, what="25 committed steps")
+        wait_until(lambda: head_step(url) >= 24, timeout=20, what="25 committed steps")
     finally:
         proc.kill()
         proc.communicate()

@@ -9,7 +9,7 @@ from typing import Any
 
 import anyio
 import pytest
-from cliutil import describe, run_cli, spawn_cli, wait_until
+from cliutil import describe, head_step, run_cli, spawn_cli, wait_until
 from test_sources import make_wds
 
 import lakestream
@@ -116,7 +116,7 @@ def test_sigkill_mid_expansion_then_rerun_commits_every_output_once(tmp_path: Pa
                "--max-inflight-bytes", 1, "--rate", 60]  # fmt: skip
     proc = spawn_cli(*command, env=setup["env"])
     try:
-        wait_until(lambda: status(url)["head_step"] >= 12, timeout=20, what="13 committed steps")
+        wait_until(lambda: head_step(url) >= 12, timeout=20, what="13 committed steps")
     finally:
         proc.kill()
         proc.communicate()
@@ -156,7 +156,7 @@ def test_ctrl_c_stops_a_producer_whose_function_hangs_in_a_worker(tmp_path: Path
     env = {**setup["env"], "MAP_HANG_KEY": "s000-0006"}
     proc = spawn_cli("produce", url, "--producer-id", "p", *setup["source"], "--workers", 1, env=env)
     try:
-        wait_until(lambda: status(url)["head_step"] >= 1, timeout=30, what="the steps before the hung record")
+        wait_until(lambda: head_step(url) >= 1, timeout=30, what="the steps before the hung record")
         time.sleep(0.5)  # the worker is in the function by now
         started = time.monotonic()
         proc.send_signal(signal.SIGINT)

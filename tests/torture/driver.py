@@ -4,7 +4,9 @@ One loop, every 50 ms: tick the process roles (restart what is due, handle exits
 GC), let the trainer checkpoint, and during the chaos phase, kill what the schedule says is due:
 a producer every `producer_kill_every` seconds on average (exponential), a reader process every
 `reader_kill_every`, the mount daemon every `mount_kill_every` (its first kill between 15% and 45%
-of the phase, so every run has one), and the rewind at `rewind_at` of the phase. Every random
+of the phase, so every run has one), and the rewind at `rewind_at` of the phase (or at the first
+checkpoint after it: on a starved machine the readers may not have let the trainer checkpoint by then,
+and the phase runs on, by at most its length again, until the rewind is done). Every random
 choice comes from one `random.Random(seed)`. After the chaos, the drain (producers restarted
 without a rate limit until their sources are exhausted, readers catch up), then `finish` (stop
 everything, a final GC) and the checker.
@@ -247,7 +249,7 @@ class Driver:
                                 rewind_time = None
                             else:
                                 rewind_time = mono + 1.0
-                        if mono >= chaos_end:
+                        if mono >= chaos_end and (rewind_time is None or mono >= chaos_end + cfg.seconds):
                             run.chaos = False
                             t_drain = mono
                             drain_deadline = mono + cfg.drain_timeout
