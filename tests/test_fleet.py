@@ -75,12 +75,14 @@ def ray_address() -> Iterator[str]:
     """A local Ray cluster for the module (`ray start --head --block`, stopped by SIGTERM): its address.
 
     Its ports are free ones, so it does not collide with another cluster on the machine; token
-    authentication is off (it listens on the loopback only, for the length of the module). Started a
-    second time if the first start fails: on a busy machine Ray's raylet gives up on its own agents
-    after a few seconds ("Timed out waiting for file .../metrics_agent_port")."""
+    authentication is off (it listens on the loopback only, for the length of the module). Started
+    again, up to twice, if a start fails: on a busy machine Ray's raylet gives up on its own agents
+    after a few seconds ("Timed out waiting for file .../metrics_agent_port", "Failed to get node
+    info ... Deadline Exceeded")."""
     proc, address, log_path = _start_cluster()
-    if proc.poll() is not None:
-        proc, address, log_path = _start_cluster()
+    for _ in range(2):
+        if proc.poll() is not None:
+            proc, address, log_path = _start_cluster()
     try:
         assert proc.poll() is None, log_path.read_text()
         yield address
