@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import pickle
 import re
 import signal
 import socket
@@ -611,6 +612,28 @@ def test_mount_dataset_waits_for_steps_committed_later(mounted: tuple[str, Path]
     assert ds.state_dict() == {"next_step": 7}
 
 
+WORKERS_READ = """
+import faulthandler, pickle, sys
+from torch.utils.data import DataLoader
+def stacks_if_stuck(worker_id):
+    faulthandler.dump_traceback_later(100)  # a worker still at it after 100 s: its stacks on stderr
+loader = DataLoader(pickle.loads(sys.stdin.buffer.read()), batch_size=None, num_workers=2, timeout=120,
+                    worker_init_fn=stacks_if_stuck)
+print(sorted(item["step"] for item in loader))
+"""
+
+
+def workers_read(dataset: Any) -> list[int]:
+    """The steps a DataLoader with two (forked) workers yields from `dataset`, in a process of its
+    own: a training script forks its workers from a young process, not from a pytest worker
+    holding the threads of hundreds of tests (a fork of one hung a worker for good once, in a
+    loaded full run)."""
+    r = subprocess.run([sys.executable, "-c", WORKERS_READ], input=pickle.dumps(dataset), capture_output=True,
+                       timeout=200)  # fmt: skip
+    assert r.returncode == 0, r.stderr.decode(errors="replace")[-4000:]
+    return json.loads(r.stdout)
+
+
 def test_both_datasets_with_no_stop_end_at_the_close_and_say_the_stream_is_done(
     stream_url: str, tmp_path: Path
 ) -> None:
@@ -637,8 +660,7 @@ def test_both_datasets_with_no_stop_end_at_the_close_and_say_the_stream_is_done(
             assert list(resumed) == [] and resumed.state_dict() == {"next_step": 3, "done": True}
             with pytest.raises(ValueError, match="'done' must be a bool"):
                 resumed.load_state_dict({"next_step": 3, "done": 1})
-            loader = DataLoader(make(), batch_size=None, num_workers=2)
-            assert sorted(item["step"] for item in loader) == [0, 1, 2]  # each worker's share ends
+            assert workers_read(make()) == [0, 1, 2]  # each worker's share ends
         with pytest.raises(lakestream.StepUnavailable, match="closed after step 2"):
             MountDataset(m.mountpoint, rank=1, world_size=WORLD).read_step(3)
     finally:
