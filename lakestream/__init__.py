@@ -14,7 +14,7 @@ See docs/ for the guarantees and the commit protocol.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -204,11 +204,20 @@ async def release(target: Target, checkpoint_id: str) -> bool:
         return await _release(store, checkpoint_id)
 
 
-async def rewind(target: Target, *, to_checkpoint: str | None = None, to_step: int | None = None) -> State:
+async def rewind(
+    target: Target,
+    *,
+    to_checkpoint: str | None = None,
+    to_step: int | None = None,
+    skip: Sequence[tuple[int, int]] = (),
+) -> State:
     """Discard the steps after a retained checkpoint (or `to_step`) and fence every producer;
-    each producer's resume cursor becomes its cursor as of that step. Returns the new state."""
+    each producer's resume cursor becomes its cursor as of that step. With `skip` (ranges
+    (first, last) of steps after it, inclusive): replay the steps after it instead, but the skipped
+    ones, whose samples are recorded as skipped; their TGBs become the next steps again (referenced,
+    not copied or produced again) and producers continue where they were. Returns the new state."""
     async with _store_for(target) as store:
-        return await _rewind(store, to_checkpoint=to_checkpoint, to_step=to_step)
+        return await _rewind(store, to_checkpoint=to_checkpoint, to_step=to_step, skip=tuple((a, b) for a, b in skip))
 
 
 async def close(target: Target, *, after_step: int | None = None) -> State:

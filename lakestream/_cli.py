@@ -110,6 +110,18 @@ def _nonneg(text: str) -> int:
     return value
 
 
+def _step_ranges(text: str) -> tuple[tuple[int, int], ...]:
+    """`A-B[,C-D...]` (or `A`, one step) as ((A, B), ...): rising, disjoint ranges of steps."""
+    out: list[tuple[int, int]] = []
+    for part in text.split(","):
+        a, _, b = part.strip().partition("-")
+        first, last = _nonneg(a), _nonneg(b) if b else _nonneg(a)
+        if last < first or (out and first <= out[-1][1]):
+            raise argparse.ArgumentTypeError(f"{text!r}: step ranges A-B must be rising and disjoint, with A <= B")
+        out.append((first, last))
+    return tuple(out)
+
+
 def _shard(text: str) -> tuple[int, int]:
     try:
         return parse_shard(text)
@@ -372,12 +384,16 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("rewind", help="discard the steps after a checkpoint and fence every producer", description=(
         "Discard every step after a retained checkpoint (or a step) and fence every producer; each producer "
-        "resumes from its cursor as of that step."
+        "resumes from its cursor as of that step. With --skip-steps, replay instead: the steps after it become "
+        "the next steps again, in order, referenced rather than produced again, except the skipped ones, whose "
+        "samples are recorded as skipped (status and verify show them); producers continue where they were."
     ))  # fmt: skip
     p.add_argument("url", help=url_help)
     to = p.add_mutually_exclusive_group(required=True)
     to.add_argument("--to-checkpoint", metavar="ID", help="a retained checkpoint")
     to.add_argument("--to-step", type=_nonneg, metavar="S", help="the last step to keep")
+    p.add_argument("--skip-steps", type=_step_ranges, metavar="A-B[,C-D...]",
+                   help="replay the steps after it but these (a range A-B is inclusive; A alone is one step)")  # fmt: skip
 
     p = sub.add_parser("close", help="end the stream after a step: nothing more is committed", description=(
         "End the stream after step S (default: the head): no step past it is ever committed, so producers stop "
@@ -843,8 +859,17 @@ async def _release(a: argparse.Namespace) -> int:
 
 
 async def _rewind(a: argparse.Namespace) -> int:
-    state = await lakestream.rewind(a.url, to_checkpoint=a.to_checkpoint, to_step=a.to_step)
-    print(f"rewound {a.url} to step {state.head}; every producer is fenced and resumes from its cursor there")
+    skip = a.skip_steps or ()
+    state = await lakestream.rewind(a.url, to_checkpoint=a.to_checkpoint, to_step=a.to_step, skip=skip)
+    if not skip:
+        print(f"rewound {a.url} to step {state.head}; every producer is fenced and resumes from its cursor there")
+        return 0
+    steps = sum(y - x + 1 for x, y in skip)
+    print(
+        f"replayed {a.url}: the steps after the rewind are now up to step {state.head}, without steps "
+        f"{','.join(f'{x}-{y}' if x != y else str(x) for x, y in skip)} ({steps} TGBs, their samples "
+        "recorded as skipped: `lakestream status`); producers continue where they were"
+    )
     return 0
 
 
@@ -949,6 +974,17 @@ def status_dict(state: lakestream.State) -> dict[str, Any]:
         },
         "waiting_for": state.unfinished() if state.leftovers else [],
         "closed_after": state.closed_after,
+        "skipped": [
+            {
+                "after_step": k.at,
+                "was_step": k.step.step,
+                "producer": k.step.producer,
+                "seq": k.step.seq,
+                "samples": k.step.samples,
+                "segment": k.step.segment,
+            }
+            for k in state.skipped
+        ],  # fmt: skip
         "rejected": [{"version": v, "reason": why} for v, why in state.rejected],
     }
 
@@ -987,6 +1023,12 @@ async def _status(a: argparse.Namespace) -> int:
     if d["closed_after"] is not None:
         end = "ended" if state.ended else f"ends once the head reaches step {d['closed_after']}"
         print(f"  closed after step {d['closed_after']}: {end}, nothing past it is committed")
+    if d["skipped"]:
+        samples = sum(k["samples"] for k in d["skipped"])
+        print(f"  skipped by a replay: {len(d['skipped'])} TGBs, {samples} samples")
+        for k in d["skipped"][:20]:
+            print(_safe(f"    after step {k['after_step']}: was step {k['was_step']} ({k['producer']} seq {k['seq']}, "
+                        f"{k['samples']} samples)"))  # fmt: skip
     for r in d["rejected"]:
         print(_safe(f"  malformed record at version {r['version']}: {r['reason']}"))
     return 0
@@ -1008,7 +1050,8 @@ async def _verify(a: argparse.Namespace) -> int:
         print(_safe(f"FAIL {problem}"))
     print(
         f"{'OK' if report.ok else 'FAILED'}: {a.url}: {_steps(report.first_step, report.head)} ({report.steps}), "
-        f"{report.samples} samples{f' (and {report.held} held)' if report.held else ''}, "
+        f"{report.samples} samples{f' (and {report.held} held)' if report.held else ''}"
+        f"{f' ({report.skipped} skipped by a replay)' if report.skipped else ''}, "
         f"{report.bytes / 1e6:.1f} MB, version {report.version}, "
         f"{len(report.problems)} problems"
     )

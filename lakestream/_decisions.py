@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from ._config import LIMITS, Config
 from ._errors import ConfigMismatch, MixChanged, ProducerFenced, StepUnavailable, StreamClosed
 from ._records import (
+    MAX_STEP,
     CheckpointRecord,
     CloseRecord,
     CommitRecord,
@@ -28,18 +29,18 @@ from ._records import (
     GroupRecord,
     MixRecord,
     ReclaimRecord,
+    RecordError,
     RegisterRecord,
     ReleaseRecord,
     ReopenRecord,
     ReshapeRecord,
     RewindRecord,
     TgbRef,
+    check_skip,
     check_source_name,
     check_weights,
 )
 from ._state import ProducerState, State
-
-MAX_STEP = 1 << 63  # steps are 64-bit signed integers in records and snapshots
 
 __all__ = [
     "PendingTgb",
@@ -310,11 +311,14 @@ def rewind(
     rewinds_before: int,
     now: float,
     url: str = "",
+    skip: tuple[tuple[int, int], ...] = (),
 ) -> RewindRecord | None:
-    """Discard the steps after a retained checkpoint (or `to_step`). None once a rewind landed
-    after the caller's view (`rewinds_before`): its own earlier attempt, or another one.
+    """Discard the steps after a retained checkpoint (or `to_step`); with `skip` (step ranges
+    after it, first and last inclusive), replay them but the skipped ones instead. None once a
+    rewind landed after the caller's view (`rewinds_before`): its own earlier attempt, or another one.
 
-    Raises StepUnavailable for a checkpoint that is not retained or a step not readable.
+    Raises StepUnavailable for a checkpoint that is not retained or a step not readable, ValueError
+    for skip ranges that are not rising, disjoint ranges of steps after it up to the head.
     """
     if (to_checkpoint is None) == (to_step is None):
         raise ValueError("rewind needs exactly one of to_checkpoint and to_step")
@@ -332,7 +336,14 @@ def rewind(
         raise StepUnavailable(
             f"{url}: cannot rewind to step {target}: readable steps are {state.first_step}..{state.head}"
         )
-    return RewindRecord(target, now)
+    if skip:
+        try:
+            skip = check_skip(list(skip), target)
+        except RecordError as e:
+            raise ValueError(f"{url}: {e}") from None
+        if skip[-1][1] > state.head:
+            raise ValueError(f"{url}: cannot skip step {skip[-1][1]}: the head is step {state.head}")
+    return RewindRecord(target, now, skip)
 
 
 def close(state: State, after_step: int | None, now: float, url: str = "") -> CloseRecord | None:

@@ -4,7 +4,7 @@ In this order, so that nothing readable is ever deleted:
 
 1. a `reclaim` record (`_decisions.reclaim`): steps below the watermark leave the manifest
    (readers asking for one get StepUnavailable naming the step and the watermark);
-2. segments no retained step nor held leftover references, if they can never be committed: their producer's
+2. segments no retained step, held leftover nor retained skipped TGB (`State.skipped`) references, if they can never be committed: their producer's
    committed `seq` is at least theirs (reclaimed, discarded by a rewind, or superseded), or their
    epoch is fenced; other unreferenced segments (uploads whose commit may still be on its way) only
    once both they and their producer's last record are older than the orphan grace. The listing is
@@ -72,6 +72,7 @@ def plan_segments(state: State, segments: Mapping[str, int], *, below: int, now:
     producer's last record are older than `grace`. Keys that are not segment keys are left alone.
     """
     referenced = {s.segment for s in state.steps if s.step >= below} | {h.ref.segment for h in state.leftovers.values()}
+    referenced |= {k.step.segment for k in state.skipped if k.at >= below}  # a replay's skipped TGBs, to inspect
     delete: dict[str, int] = {}
     kept = 0
     for key, size in segments.items():

@@ -66,12 +66,16 @@ async def rewind(
     *,
     to_checkpoint: str | None = None,
     to_step: int | None = None,
+    skip: tuple[tuple[int, int], ...] = (),
     wall: Callable[[], float] = time.time,
 ) -> State:
     """Discard every step after a checkpoint's step (or `to_step`) and fence every producer.
 
     Each producer's resume cursor becomes its cursor as of that step, so producers started again
-    re-produce the source records after it into new steps. Returns the new state.
+    re-produce the source records after it into new steps. With `skip` (ranges of steps after it,
+    first and last inclusive) the steps after it are replayed instead, but the skipped ones: their
+    TGBs become the next steps again, by reference, and producers continue where they were (see
+    `State`). Returns the new state.
     """
     if (to_checkpoint is None) == (to_step is None):
         raise ValueError("rewind needs exactly one of to_checkpoint and to_step")
@@ -79,8 +83,14 @@ async def rewind(
     before = (await m.load()).rewinds
     await m.append(
         lambda st, _: decisions.rewind(
-            st, to_checkpoint=to_checkpoint, to_step=to_step, rewinds_before=before, now=wall(), url=store.url
-        )
+            st,
+            to_checkpoint=to_checkpoint,
+            to_step=to_step,
+            rewinds_before=before,
+            now=wall(),
+            url=store.url,
+            skip=skip,
+        )  # fmt: skip
     )
     return m.state
 

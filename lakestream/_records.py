@@ -23,6 +23,7 @@ from ._config import LIMITS, Config
 
 __all__ = [
     "CHECKSUM_BITS",
+    "MAX_STEP",
     "CheckpointRecord",
     "CloseRecord",
     "CommitRecord",
@@ -215,14 +216,18 @@ class ReclaimRecord:
 
 @dataclass(frozen=True, slots=True)
 class RewindRecord:
-    """Discard the steps after `to_step` and fence every producer."""
+    """Discard the steps after `to_step` and fence every producer. With `skip` (ranges of steps
+    after `to_step`, first and last inclusive, rising, disjoint): replay instead, that is append the
+    TGBs of the steps after `to_step` again as new steps, in order, except those of the skipped
+    steps, which are recorded as skipped; no producer is fenced or moved back."""
 
     to_step: int
     ts: float = 0.0
+    skip: tuple[tuple[int, int], ...] = ()
     kind: ClassVar[str] = "rewind"
 
     def members(self) -> dict[str, Any]:
-        return {"to_step": self.to_step, "ts": self.ts}
+        return {"to_step": self.to_step, "ts": self.ts} | ({"skip": [list(x) for x in self.skip]} if self.skip else {})
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +252,29 @@ class ReopenRecord:
 
     def members(self) -> dict[str, Any]:
         return {"ts": self.ts}
+
+
+MAX_STEP = 1 << 63  # steps are 64-bit signed integers in records and snapshots
+MAX_SKIP_RANGES = 1024
+
+
+def check_skip(raw: Any, after: int) -> tuple[tuple[int, int], ...]:
+    """`[[first, last], ...]` as a tuple, or RecordError: 1 to MAX_SKIP_RANGES ranges of steps after
+    `after`, each first <= last, rising and disjoint."""
+    ok = isinstance(raw, list | tuple) and 0 < len(raw) <= MAX_SKIP_RANGES
+    low = after + 1
+    for x in raw if ok else ():
+        if not (isinstance(x, list | tuple) and len(x) == 2 and all(type(v) is int for v in x)
+                and low <= x[0] <= x[1] < MAX_STEP):  # fmt: skip
+            ok = False
+            break
+        low = x[1] + 1
+    if not ok:
+        raise RecordError(
+            f"rewind: skip {raw!r:.100} is not 1 to {MAX_SKIP_RANGES} rising, disjoint [first, last] step ranges "
+            f"after step {after}"
+        )
+    return tuple((x[0], x[1]) for x in raw)
 
 
 SOURCE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")  # what a mix record may hold (older names too)
@@ -512,7 +540,8 @@ def _decode(r: Any, *, inner: bool = False) -> Record:
     if kind == "reclaim":
         return ReclaimRecord(f.int("below", why=f"reclaim: bad step {r.get('below')!r}"), f.ts())
     if kind == "rewind":
-        return RewindRecord(f.int("to_step", -1, why=f"rewind: bad step {r.get('to_step')!r}"), f.ts())
+        to = f.int("to_step", -1, why=f"rewind: bad step {r.get('to_step')!r}")
+        return RewindRecord(to, f.ts(), check_skip(r.get("skip", []), to) if "skip" in r else ())
     if kind == "close":
         return CloseRecord(f.int("after_step", -1, why=f"close: bad step {r.get('after_step')!r:.40}"), f.ts())
     if kind == "reopen":

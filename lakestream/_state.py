@@ -32,6 +32,13 @@ Invariants, kept by `apply` alone:
   kept for this; the check is O(1) a TGB.
 * `checkpoint`, `release`, `reclaim` and `rewind` (the lifecycle) only move `first_step`, `head`,
   the checkpoint list and epochs; they never reorder steps.
+* A rewind with `skip` replays: the TGBs of the steps after `to_step` become new steps at that
+  record's version, in order, except those of the skipped steps, which are kept as `skipped`
+  (each after the new step `at`) until a reclaim passes them, or a rewind to a step before them
+  (to `at` or lower) gives them back to their producers. A replayed TGB is referenced anew, never committed anew; steps named by shapes, mixes and
+  the close after `to_step` move down with the steps they name. No producer is fenced or moved
+  back: their cursors already follow every replayed and skipped TGB. Cursors are taken in the
+  history's order, skipped TGBs in their place, so that nothing skipped is produced again.
 * A `mix` record applies from a step after the head and replaces every mix from that step on; one
   with no weights clears. `mix_at(step)` is the newest mix from `step` or before, None before the
   first one or from a clear on. A TGB committed at a step names exactly that mix's version (no
@@ -44,6 +51,7 @@ Invariants, kept by `apply` alone:
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import zlib
 from dataclasses import dataclass, field
@@ -224,6 +232,17 @@ class Mix:
     weights: tuple[tuple[str, float], ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """The TGB of a step a replay skipped (`step`, as it was), after the new step `at`."""
+
+    at: int
+    step: Step
+
+    def to_list(self) -> list[Any]:
+        return [self.at, self.step.to_list()]
+
+
 @dataclass(slots=True)
 class Checkpoint:
     id: str
@@ -247,6 +266,7 @@ class State:
     mixes: list[Mix] = field(default_factory=list)  # rising from step
     leftovers: dict[str, Leftover] = field(default_factory=dict)  # held, by producer
     closed_after: int | None = None  # the stream ends after this step (a `close` record), if closed
+    skipped: list[Skipped] = field(default_factory=list)  # TGBs a replay skipped, rising `at`
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -427,6 +447,7 @@ class State:
             _need(r.below <= self.watermark, f"reclaim: step {r.below} is above the watermark {self.watermark}")
         elif isinstance(r, RewindRecord):
             _need(self.first_step - 1 <= r.to_step <= self.head, f"rewind: step {r.to_step} is not retained")
+            _need(not r.skip or r.skip[-1][1] <= self.head, f"rewind: skips steps after the head {self.head}")
         elif isinstance(r, CloseRecord):
             _need(self.closed_after is None, f"close: the stream is closed already after step {self.closed_after}")
             _need(r.after_step >= self.head, f"close: step {r.after_step} is before the head {self.head}")
@@ -604,10 +625,12 @@ class State:
         elif isinstance(r, ReleaseRecord):
             self.checkpoints = [c for c in self.checkpoints if c.id != r.id]
         elif isinstance(r, ReclaimRecord):
-            for s in self.steps[: r.below - self.first_step]:
+            gone = [k for k in self.skipped if k.at < r.below]
+            for s in _in_order(self.steps[: r.below - self.first_step], gone):
                 for pid, cursor in s.cursors():
                     self.producers[pid].base_cursor = cursor
             del self.steps[: r.below - self.first_step]
+            del self.skipped[: len(gone)]
             self.first_step = r.below
             # Shapes of reclaimed steps only: keep the one in force at first_step and what follows.
             while len(self.shapes) > 1 and self.shapes[1][0] <= self.first_step:
@@ -615,7 +638,10 @@ class State:
             while len(self.mixes) > 1 and self.mixes[1].from_step <= self.first_step:
                 del self.mixes[0]
         elif isinstance(r, RewindRecord):
-            self._discard_after(r.to_step)
+            if r.skip:
+                self._replay_after(version, r.to_step, r.skip)
+            else:
+                self._discard_after(r.to_step)
         elif isinstance(r, CloseRecord):
             self.closed_after = r.after_step
         elif isinstance(r, ReopenRecord):
@@ -632,13 +658,14 @@ class State:
         """Discard the steps after `to_step` and fence every producer (a rewind)."""
         del self.steps[to_step + 1 - self.first_step :]
         self.checkpoints = [c for c in self.checkpoints if c.step <= to_step]
+        self.skipped = [k for k in self.skipped if k.at < to_step]  # what follows step to_step is produced again
         self.rewinds += 1
         # Every producer is fenced and resumes from its cursor as of step `to_step`: that of its
-        # newest retained step, or of the newest retained step holding its packed leftover samples.
+        # newest retained (or skipped) TGB, or of the newest one holding its packed leftover samples.
         # Held leftovers are dropped (their producers produce them again).
         self.leftovers = {}
         last: dict[str, Any] = {}
-        for s in self.steps:
+        for s in _in_order(self.steps, self.skipped):
             last.update(s.cursors())
         for pid, p in self.producers.items():
             cursor = last.get(pid, p.base_cursor)
@@ -648,6 +675,40 @@ class State:
             p.cursor = cursor
             # Sequence numbers keep rising so that discarded TGBs are never mistaken for new ones.
 
+    def _replay_after(self, version: int, to_step: int, skip: tuple[tuple[int, int], ...]) -> None:
+        """Append the TGBs of the steps after `to_step` again as new steps, but those of `skip` (a replay)."""
+        skipped = [n for a, b in skip for n in range(a, b + 1)]  # steps of a validated record: at most the head's
+        cut = to_step + 1 - self.first_step
+        rest, self.steps = self.steps[cut:], self.steps[:cut]
+        self.checkpoints = [c for c in self.checkpoints if c.step <= to_step]
+        self.rewinds += 1
+        gone, after = set(skipped), [k for k in self.skipped if k.at >= to_step]
+        del self.skipped[len(self.skipped) - len(after) :]
+        k = 0
+        for s in rest:  # skipped before, in their place, then each step replayed or skipped
+            while k < len(after) and after[k].at < s.step:
+                self.skipped.append(Skipped(self.head, after[k].step))
+                k += 1
+            if s.step in gone:
+                self.skipped.append(Skipped(self.head, s))
+            else:
+                self.steps.append(dataclasses.replace(s, step=self.head + 1, version=version))
+        self.skipped += [Skipped(self.head, x.step) for x in after[k:]]
+
+        def moved(step: int) -> int:  # where the step now at `step` (or the first one after it) goes
+            return step - bisect.bisect_left(skipped, step) if step > to_step else step
+
+        shapes: dict[int, tuple[int, int, int]] = {}
+        for f, world, batch in self.shapes:  # of two that now start at the same step, the later holds
+            shapes[moved(f)] = (moved(f), world, batch)
+        self.shapes = list(shapes.values())
+        mixes: dict[int, Mix] = {}
+        for m in self.mixes:
+            mixes[moved(m.from_step)] = Mix(moved(m.from_step), m.version, m.weights)
+        self.mixes = list(mixes.values())
+        if self.closed_after is not None:
+            self.closed_after = moved(self.closed_after + 1) - 1
+
     def copy(self) -> State:
         """An independent copy; O(steps) pointer copies, steps themselves are immutable."""
         return State(
@@ -656,6 +717,7 @@ class State:
             checkpoints=[Checkpoint(c.id, c.step, c.version) for c in self.checkpoints],
             rewinds=self.rewinds, rejected=list(self.rejected), shapes=list(self.shapes),
             mixes=list(self.mixes), leftovers=dict(self.leftovers), closed_after=self.closed_after,
+            skipped=list(self.skipped),
         )  # fmt: skip
 
     # -- snapshots -----------------------------------------------------------------------------
@@ -692,8 +754,9 @@ class State:
                 if self.leftovers
                 else {}
             )
-            | ({"closed_after": self.closed_after} if self.closed_after is not None else {})
-        )  # absent unless closed
+            | ({"closed_after": self.closed_after} if self.closed_after is not None else {})  # absent unless closed
+            | ({"skipped": [k.to_list() for k in self.skipped]} if self.skipped else {})  # absent unless skipped
+        )
 
     @classmethod
     def from_json(cls, data: bytes) -> State:
@@ -784,6 +847,9 @@ class State:
             ok = self.closed_after == r.after_step
         elif isinstance(r, ReopenRecord):
             ok = self.closed_after is None
+        elif r.skip:
+            tail = self.steps[r.to_step + 1 - self.first_step :]
+            ok = all(s.version == v for s in tail) and any(k.at >= r.to_step for k in self.skipped)
         else:
             ok = self.head == r.to_step and all(p.token == "" for p in self.producers.values())
         return None if ok else f"the state does not reflect the {r.kind} record at version {v}"
@@ -829,7 +895,7 @@ def _state_from_dict(d: dict[str, Any]) -> State:
 
     O(steps x world size); messages are only formatted for the field that fails.
     """
-    if d.keys() - {"shapes", "mixes", "leftovers", "closed_after"} != _STATE_KEYS:
+    if d.keys() - {"shapes", "mixes", "leftovers", "closed_after", "skipped"} != _STATE_KEYS:
         raise _bad(f"members {sorted(d)!r:.200} are not {sorted(_STATE_KEYS)}")
     version, first, rewinds = d["version"], d["first_step"], d["rewinds"]
     for name, v in (("version", version), ("first_step", first), ("rewinds", rewinds)):
@@ -951,9 +1017,48 @@ def _state_from_dict(d: dict[str, Any]) -> State:
     closed = d.get("closed_after")
     if closed is not None and not (_int(closed, -1) and head <= closed < 1 << 63):
         raise _bad(f"closed_after {closed!r:.40} is not a step from the head {head} on")
+    skipped = _skipped_from(d.get("skipped", []), producers, first, head, version)
     return State(
-        version, config, first, steps, producers, checkpoints, rewinds, rejected, shapes, mixes, leftovers, closed
-    )
+        version, config, first, steps, producers, checkpoints, rewinds, rejected, shapes, mixes, leftovers, closed,
+        skipped,
+    )  # fmt: skip
+
+
+def _skipped_from(raw: Any, producers: dict[str, ProducerState], first: int, head: int, version: int) -> list[Skipped]:
+    """A snapshot's `skipped`: [[at, step entry], …], `at` rising from first_step - 1 to the head,
+    each entry a TGB of a known producer and incarnation at a version before `version`."""
+    if not isinstance(raw, list):
+        raise _bad("skipped is not a list")
+    out: list[Skipped] = []
+    for x in raw:
+        low = out[-1].at if out else first - 1
+        ok = isinstance(x, list) and len(x) == 2 and _int(x[0], -1) and low <= x[0] <= head
+        e: Any = x[1] if ok else None
+        ok = ok and isinstance(e, list) and len(e) in (9, 10, 11) and all(_int(v) for v in (e[0], e[1], e[4], e[5]))
+        ok = ok and e[1] < version and e[3] in producers and e[5] <= producers[e[3]].seq
+        ok = ok and isinstance(e[2], str) and _segment_of(e[2], e[3], e[4], e[5]) and type(e[8]) is float
+        ok = ok and isinstance(e[6], list) and 0 < len(e[6]) <= LIMITS["world_size"][1]
+        ok = ok and all(type(r) is list and len(r) == 4 and all(_int(v) for v in r) for r in e[6])
+        ok = ok and (len(e) < 10 or e[9] in CHECKSUM_BITS)
+        if not ok:
+            raise _bad(f"skipped {x!r:.200} is not [at, step entry] after the last")
+        try:
+            step = Step.from_list(e)
+        except (TypeError, ValueError, IndexError) as err:
+            raise _bad(f"skipped {x!r:.200}: {err}") from None
+        out.append(Skipped(x[0], step))
+    return out
+
+
+def _in_order(steps: list[Step], skipped: list[Skipped]) -> list[Step]:
+    """`steps` (rising) and the TGBs of `skipped` (each after its step `at`) in the history's order."""
+    out, k = [], 0
+    for s in steps:
+        while k < len(skipped) and skipped[k].at < s.step:
+            out.append(skipped[k].step)
+            k += 1
+        out.append(s)
+    return out + [x.step for x in skipped[k:]]
 
 
 def _packed_from(

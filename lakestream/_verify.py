@@ -41,6 +41,7 @@ class VerifyReport:
     steps: int = 0
     samples: int = 0
     held: int = 0  # samples of held leftovers (committed by their producers' finish, not in a step yet)
+    skipped: int = 0  # samples of TGBs a replay skipped (`State.skipped`), still recorded
     bytes: int = 0
     problems: list[str] = field(default_factory=list)
 
@@ -175,6 +176,7 @@ async def verify_state(
     """Check the manifest's invariants and read back every retained segment; `progress(what, done,
     total)` is called as segments are checked (the CLI draws a bar with it)."""
     report = VerifyReport(store.url, state.version, state.first_step, state.head, len(state.steps))
+    report.skipped = sum(k.step.samples for k in state.skipped)
     for version, why in state.rejected:
         report.problems.append(
             f"{store.url}: log version {version} is malformed or invalid (applied as a no-op): {why}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -430,3 +430,183 @@ def test_a_tgb_with_an_unknown_checksum_or_a_digest_too_wide_is_a_noop(tgb_: dic
     record = orjson.dumps({"kind": "commit", "producer": "a", "epoch": 1, "seq": 0, "tgbs": [tgb_]})
     s = replay([create(), register("a", 1), record])
     assert s.head == -1
+
+
+# -- replays: a rewind that skips steps ----------------------------------------------------------
+
+commits = st.tuples(st.just("commit"), producers, st.integers(1, 3))
+history_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("register"), producers),
+        commits,
+        commits,
+        commits,
+        st.tuples(
+            st.just("replay"),
+            st.integers(0, 6),
+            st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2)), min_size=1, max_size=3),
+        ),  # fmt: skip
+        st.tuples(st.just("rewind"), st.integers(0, 6)),
+        st.tuples(st.just("reclaim"), st.integers(0, 4)),
+        st.tuples(st.just("close"), st.integers(0, 3)),
+    ),
+    min_size=8,
+    max_size=40,
+)
+
+
+def build_history(ops_: list[tuple]) -> list[bytes]:
+    """A log of commits, replays (a rewind `back` steps from the head skipping ranges given as
+    (gap, length) after it), plain rewinds, reclaims behind a checkpoint and closes; each record
+    valid where it stands (cursors count each producer's TGBs)."""
+    s = replay([create()])
+    log = [create()]
+
+    def add(rec: bytes) -> None:
+        assert s.apply(len(log), rec) is None, (rec, s.rejected)
+        log.append(rec)
+
+    for pid in ("a", "b", "c"):
+        add(register(pid, 1))
+
+    for op in ops_:
+        kind = op[0]
+        if kind == "register":
+            p = s.producers.get(op[1])
+            add(register(op[1], (p.epoch if p else 0) + 1))
+        elif kind == "commit":
+            p = s.producers[op[1]]
+            if not p.token:  # fenced by a rewind: a new incarnation
+                add(register(op[1], p.epoch + 1))
+            room = op[2] if s.closed_after is None else min(op[2], s.closed_after - s.head)
+            if room > 0:
+                add(commit(op[1], p.epoch, p.seq + 1, room, cursor=p.tgbs + room))
+        elif kind in ("replay", "rewind"):
+            to = max(s.first_step - 1, s.head - op[1])
+            skip, low = [], to + 1
+            for gap, length in op[2] if kind == "replay" else ():
+                if low + gap + length <= s.head:
+                    skip.append((low + gap, low + gap + length))
+                    low += gap + length + 1
+            if kind == "rewind" or skip:
+                add(encode_record(RewindRecord(to, 0.0, tuple(skip))))
+        elif kind == "reclaim" and s.steps:
+            at = min(s.first_step + op[1], s.head)
+            if not s.checkpoints or s.checkpoints[-1].step <= at:
+                add(encode_record(CheckpointRecord(f"c{len(log)}", at)))
+            if s.checkpoints and s.watermark > s.first_step:
+                add(encode_record(ReclaimRecord(s.watermark)))
+        elif kind == "close":
+            add(encode_record(CloseRecord(s.head + op[1]) if s.closed_after is None else ReopenRecord()))
+    return log
+
+
+def history(s: State) -> list[tuple[str, int]]:
+    """(producer, seq) of each TGB of the retained steps and the skipped ones, in the history's order."""
+    from lakestream._state import _in_order
+
+    return [(x.producer, x.seq) for x in _in_order(s.steps, s.skipped)]
+
+
+@settings(max_examples=300)
+@given(history_ops, st.data())
+def test_replays_keep_each_tgb_once_in_order_and_every_cursor_after_its_last(
+    ops_: list[tuple], data: st.DataObject
+) -> None:
+    log = build_history(ops_)
+    s, replays = State(), []
+    for v, rec in enumerate(log):
+        before = s.copy()
+        s.apply(v, rec)
+        assert s.check_last_record(rec) is None, orjson.loads(rec)
+        r = orjson.loads(rec)
+        if r["kind"] == "rewind" and r.get("skip"):
+            # The steps after the rewind are the old ones but the skipped, in order, at the record's version.
+            skipped = {n for a, b in r["skip"] for n in range(a, b + 1)}
+            old = [x for x in before.steps if x.step > r["to_step"]]
+            new = [x for x in s.steps if x.step > r["to_step"]]
+            assert [(x.segment, x.cursor) for x in new] == [(x.segment, x.cursor) for x in old if x.step not in skipped]
+            assert all(x.version == v for x in new) and [x.step for x in s.steps] == list(
+                range(s.first_step, s.head + 1)
+            )
+            assert sorted((k.step.producer, k.step.seq) for k in s.skipped) == sorted(
+                [(k.step.producer, k.step.seq) for k in before.skipped]
+                + [(x.producer, x.seq) for x in old if x.step in skipped]
+            )
+            replays.append(len(skipped))
+            assert {p: (q.epoch, q.cursor, q.seq) for p, q in s.producers.items()} == {
+                p: (q.epoch, q.cursor, q.seq) for p, q in before.producers.items()
+            }  # nobody fenced or moved back
+            if before.closed_after is not None:
+                assert s.closed_after == before.closed_after - len(skipped)
+    # Each TGB once, each producer's in rising seq, and its cursor after its newest one (or its base).
+    seen = history(s)
+    assert len(seen) == len(set(seen))
+    for pid, p in s.producers.items():
+        seqs = [q for x, q in seen if x == pid]
+        assert seqs == sorted(seqs)
+        mine = [x for x in _steps_in_order(s) if x.producer == pid and x.packed is None]
+        assert p.cursor == (mine[-1].cursor if mine else p.base_cursor)
+    cut = data.draw(st.integers(0, len(log) - 1))
+    snap = State.from_json(replay(log[: cut + 1]).to_json())
+    for v in range(cut + 1, len(log)):
+        snap.apply(v, log[v])
+    assert snap.to_json() == s.to_json()
+    event("replays with skipped steps: " + ("none" if not replays else "some" if len(replays) < 3 else "3 or more"))
+
+
+def _steps_in_order(s: State) -> list:
+    from lakestream._state import _in_order
+
+    return _in_order(s.steps, s.skipped)
+
+
+def test_a_replay_moves_shapes_mixes_and_the_close_with_the_steps_they_name() -> None:
+    from lakestream._records import MixRecord, ReshapeRecord
+
+    log = [create(), register("a", 1), commit("a", 1, 0, 6, cursor=6)]  # steps 0..5
+    log += [encode_record(MixRecord(8, (("x", 1.0),))), encode_record(ReshapeRecord(4, 1, 4))]
+    log += [encode_record(CloseRecord(9)), encode_record(RewindRecord(1, 0.0, ((2, 3),)))]
+    s = replay(log)
+    assert [x.seq for x in s.steps] == [0, 1, 4, 5] and s.head == 3
+    assert [(k.at, k.step.step, k.step.seq) for k in s.skipped] == [(1, 2, 2), (1, 3, 3)]
+    assert s.shapes == [(2, 1, 4)] and [m.from_step for m in s.mixes] == [6] and s.closed_after == 7
+    assert s.producers["a"].cursor == 6 and s.producers["a"].epoch == 1 and not s.rejected
+    assert State.from_json(s.to_json()).to_json() == s.to_json()
+    # A plain rewind behind the skipped TGBs drops them (their samples are produced again); one after keeps them.
+    later = s.copy()
+    later.apply(len(log), encode_record(RewindRecord(2)))
+    assert [k.step.seq for k in later.skipped] == [2, 3] and later.producers["a"].cursor == 6
+    back = s.copy()
+    back.apply(len(log), encode_record(RewindRecord(1)))
+    assert back.skipped == [] and back.producers["a"].cursor == 6  # cursor of step 1's TGB: the one commit's
+
+
+@pytest.mark.parametrize(
+    "skip",
+    [[], [[3, 2]], [[2, 3], [3, 4]], [[1, 1]], [[2, 3], [1, 1]], [["2", 3]], "2-3", [[2, 3, 4]], [[2, 1 << 63]]],
+)
+def test_a_rewind_with_bad_skip_ranges_is_malformed(skip: object) -> None:
+    s = replay([create(), register("a", 1), commit("a", 1, 0, 6, cursor=6)])
+    rec = orjson.dumps({"kind": "rewind", "to_step": 1, "ts": 0.0, "skip": skip})
+    assert s.apply(3, rec) is not None and s.head == 5
+
+
+def test_a_replay_skipping_past_the_head_is_a_noop() -> None:
+    s = replay([create(), register("a", 1), commit("a", 1, 0, 3, cursor=3)])
+    assert s.apply(3, encode_record(RewindRecord(0, 0.0, ((2, 3),)))) is not None and s.head == 2
+
+
+def test_a_rewind_after_a_replay_resumes_each_producer_after_its_skipped_tgbs() -> None:
+    """A producer whose newest TGBs were skipped resumes after them when a later rewind keeps their
+    place: its skipped samples are never produced again."""
+    log = [create(), register("a", 1), register("b", 1)]
+    log += [commit("a", 1, i, cursor=i + 1) for i in range(6)] + [commit("b", 1, 0, cursor=1)]  # a: 0..5, b: 6
+    log += [encode_record(RewindRecord(1, 0.0, ((4, 5),)))]  # a's seq 4 and 5 skipped, after step 3
+    s = replay(log)
+    assert [(x.producer, x.seq) for x in s.steps] == [("a", 0), ("a", 1), ("a", 2), ("a", 3), ("b", 0)]
+    s.apply(len(log), encode_record(RewindRecord(4)))
+    assert s.producers["a"].cursor == 6 and s.producers["b"].cursor == 1
+    assert [k.step.seq for k in s.skipped] == [4, 5]
+    s.apply(len(log) + 1, encode_record(RewindRecord(3)))  # to the step before them: a produces them again
+    assert s.producers["a"].cursor == 4 and s.producers["b"].cursor is None and s.skipped == []
