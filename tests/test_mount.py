@@ -668,6 +668,23 @@ def test_after_a_rewind_the_mount_shows_the_new_tgbs_of_reused_steps(tmp_path: P
     )
 
 
+def test_after_a_replay_the_mount_shows_the_replayed_tgbs_at_their_new_steps(tmp_path: Path, mounts) -> None:
+    url = file_url(tmp_path / "stream")
+    create(url, 1, 2)
+    produce(url, "p", tgb("k", 12))  # steps 0..5
+    m = mounts(url, "--wait", 1)
+    r0 = m.mountpoint / "rank-0"
+    old = {step: read_step_dir(r0 / step_name(step))[1] for step in range(6)}  # every step read: in the cache
+    anyio.run(lambda: lakestream.rewind(url, to_step=1, skip=[(2, 3)]))
+    wait_until(lambda: m.status()["head_step"] == 3, 5.0, "the mount sees the replay")
+    assert sorted(os.listdir(r0)) == [step_name(s) for s in range(4)] + ["latest"]
+    state = anyio.run(lakestream.load_state, url)
+    for step, was in ((0, 0), (1, 1), (2, 4), (3, 5)):
+        meta, files = read_step_dir(r0 / step_name(step))
+        assert files == old[was] and meta["version"] == state.step(step).version  # type: ignore[union-attr]
+    assert settled_errno(r0 / step_name(4)) == errno.ENOENT
+
+
 # -- 5. unmounting with readers active ----------------------------------------------------------------
 
 HOLD_OPEN = """
