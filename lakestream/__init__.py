@@ -35,6 +35,7 @@ from ._errors import (
     StoreFull,
     StoreUnavailable,
     StreamClosed,
+    StreamInUse,
     StreamNotFound,
 )
 from ._gc import GcReport
@@ -42,6 +43,7 @@ from ._gc import gc as _gc
 from ._lifecycle import checkpoint as _checkpoint
 from ._lifecycle import close as _close
 from ._lifecycle import close_when_done as _close_when_done
+from ._lifecycle import delete as _delete
 from ._lifecycle import mix as _mix
 from ._lifecycle import release as _release
 from ._lifecycle import reopen as _reopen
@@ -92,12 +94,14 @@ __all__ = [
     "StoreFull",
     "StoreUnavailable",
     "StreamClosed",
+    "StreamInUse",
     "StreamNotFound",
     "VerifyReport",
     "checkpoint",
     "close",
     "close_when_done",
     "create",
+    "delete",
     "gc",
     "load_state",
     "mix",
@@ -238,6 +242,15 @@ async def close_when_done(target: Target, *, waiting: Callable[[list[str]], None
     hides a committed step. Returns the state with the close."""
     async with _store_for(target) as store:
         return await _close_when_done(store, waiting=waiting)
+
+
+async def delete(target: Target, *, dry_run: bool = False) -> tuple[int, int]:
+    """Delete every object of the stream (its log, snapshots and segments); returns (objects,
+    bytes) it held. Refuses with StreamInUse while producers of it are live (wrote a record in the
+    last two minutes). A delete cut short leaves a valid, older stream (or none): run it again.
+    With `dry_run`, only count."""
+    async with _store_for(target) as store:
+        return await _delete(store, dry_run=dry_run)
 
 
 async def reopen(target: Target) -> State:

@@ -408,6 +408,13 @@ def _parser() -> argparse.ArgumentParser:
     ))  # fmt: skip
     p.add_argument("url", help=url_help)
 
+    p = sub.add_parser("delete", help="delete a stream: its log, snapshots and segments", description=(
+        "Delete every object of the stream. Refuses while producers of it are live (wrote a record in the last two "
+        "minutes). What a delete cut short leaves is a valid, older stream (or none): run it again to finish."
+    ))  # fmt: skip
+    p.add_argument("url", help=url_help)
+    p.add_argument("--yes", action="store_true", help="really delete (without it: say what would be deleted)")
+
     p = sub.add_parser("mix", help="set the share of each named source in every global batch from a step on",
                        description=(
         "From step S (default: the step after the head; never a committed step) every TGB holds each named "
@@ -873,6 +880,16 @@ async def _rewind(a: argparse.Namespace) -> int:
     return 0
 
 
+async def _delete(a: argparse.Namespace) -> int:
+    if not a.yes:
+        n, size = await lakestream.delete(a.url, dry_run=True)
+        print(f"{a.url} holds {n} objects ({size / 1e6:.1f} MB); run again with --yes to delete them", file=sys.stderr)
+        return 2
+    n, size = await lakestream.delete(a.url)
+    print(f"deleted {a.url}: {n} objects ({size / 1e6:.1f} MB)")
+    return 0
+
+
 async def _close(a: argparse.Namespace) -> int:
     state = await lakestream.close(a.url, after_step=a.after_step)
     now = "" if state.ended else f" (it ends once the head, now step {state.head}, reaches it)"
@@ -1154,7 +1171,7 @@ def _umount(a: argparse.Namespace) -> int:
 
 COMMANDS = {
     "init": _init, "produce": _produce, "read": _read, "status": _status, "pack": _pack, "verify": _verify, "demo": _demo,
-    "checkpoint": _checkpoint, "release": _release, "rewind": _rewind, "reshape": _reshape, "mix": _mix, "gc": _gc,
+    "checkpoint": _checkpoint, "release": _release, "rewind": _rewind, "delete": _delete, "reshape": _reshape, "mix": _mix, "gc": _gc,
     "top": _top, "inspect": _inspect, "close": _close, "reopen": _reopen,
 }  # fmt: skip
 SYNC_COMMANDS = {"mount": _mount, "umount": _umount, "fleet": _fleet, "dev-s3": _dev_s3}

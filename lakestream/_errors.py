@@ -95,6 +95,10 @@ class StreamClosed(LakestreamError):
     the close, and the producer run again resumes from its committed cursor."""
 
 
+class StreamInUse(LakestreamError):
+    """`delete` refused: producers of the stream are live (they wrote a record lately)."""
+
+
 class MixChanged(LakestreamError):
     """A mixture record put other weights in force at the step a producer's sealed TGBs would take:
     they are never committed; the producer starts again from its committed cursors and reseals."""

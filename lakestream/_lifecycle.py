@@ -1,5 +1,5 @@
 """Checkpoint-aligned lifecycle: checkpoints, release and rewind (garbage collection: `_gc`); the
-end of a stream (close, reopen).
+end of a stream (close, reopen) and its deletion.
 
 Data lives until no retained checkpoint needs it. Rank 0 records a checkpoint (id, step) once the
 trainer's own checkpoint at that step is durable; the stream keeps the newest `keep_checkpoints`;
@@ -17,12 +17,18 @@ from collections.abc import Callable
 import anyio
 
 from . import _decisions as decisions
+from ._errors import StreamInUse, StreamNotFound
+from ._layout import LOG_PREFIX, SEGMENTS_PREFIX, version_of
 from ._manifest import Manifest
 from ._records import CloseRecord
+from ._retry import retry
 from ._state import State
 from ._store import ObjectStore
 
-__all__ = ["checkpoint", "close", "close_when_done", "mix", "release", "reopen", "reshape", "rewind"]
+__all__ = ["checkpoint", "close", "close_when_done", "delete", "mix", "release", "reopen", "reshape", "rewind"]
+
+LIVE_WITHIN = 120.0  # seconds: a producer that wrote a record this lately is live (`delete` refuses)
+DELETE_BATCH = 1000  # keys a delete request names (S3's DeleteObjects limit)
 
 
 async def checkpoint(
@@ -185,3 +191,46 @@ async def mix(
     await m.load()
     await m.append(lambda st, _: decisions.mix(st, weights, from_step=from_step, now=wall(), url=store.url))
     return m.state
+
+
+async def delete(
+    store: ObjectStore,
+    *,
+    dry_run: bool = False,
+    live_within: float = LIVE_WITHIN,
+    wall: Callable[[], float] = time.time,
+) -> tuple[int, int]:
+    """Delete every object of the stream; (objects, bytes) it held. With `dry_run`, delete nothing.
+
+    Refuses (StreamInUse) while a producer that has not finished wrote a record within
+    `live_within` seconds. In this order, so that what is left at any moment (a delete cut short)
+    is a valid stream, an older one, whose segments are all there, and running it again finishes:
+    snapshots, hints, intents and everything else outside the log and the segments first, then the
+    log from its newest version down to version 0 (the stream is gone then: StreamNotFound), then
+    the segments.
+    """
+    state: State | None = None
+    try:
+        state = await Manifest(store).load()
+    except StreamNotFound:
+        pass  # what a delete cut short after version 0 left: the rest goes
+    if state is not None and not dry_run:
+        now = wall()
+        live = sorted(pid for pid, p in state.producers.items()
+                      if p.token and not p.finished and now - p.last_ts < live_within)  # fmt: skip
+        if live:
+            raise StreamInUse(
+                f"{store.url}: producers {', '.join(live[:5])}{' …' if len(live) > 5 else ''} wrote records in the "
+                f"last {live_within:.0f} s: stop them first (or wait), then delete"
+            )
+    sizes = await retry(lambda: store.list_sizes(""))
+    if dry_run:
+        return len(sizes), sum(sizes.values())
+    log = sorted((k for k in sizes if k.startswith(LOG_PREFIX)), key=lambda k: version_of(k) or 0, reverse=True)
+    segments = [k for k in sizes if k.startswith(SEGMENTS_PREFIX)]
+    rest = [k for k in sizes if not k.startswith((LOG_PREFIX, SEGMENTS_PREFIX))]
+    for keys in (rest, log, segments):
+        for i in range(0, len(keys), DELETE_BATCH):
+            batch = keys[i : i + DELETE_BATCH]
+            await retry(lambda batch=batch: store.delete(batch))  # type: ignore[misc]
+    return len(sizes), sum(sizes.values())
