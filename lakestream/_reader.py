@@ -344,8 +344,13 @@ class Reader:
             else:
                 entry = await self.wait_for_step(step, check=check)
             check()
-            self._prefetch_after(step, stop)
-            batch = await self.read_step(step)
+            if last is None:  # the first batch first: fetched alone, before any prefetch competes with it
+                batch = await self.read_step(step)
+                self._prefetch_after(step, stop)
+            else:
+                self._start(entry)  # this step's own fetch ahead of the prefetches it starts
+                self._prefetch_after(step, stop)
+                batch = await self.read_step(step)
             last = entry
             self._metrics.stalled(time.perf_counter() - asked)
             yield batch

@@ -70,6 +70,32 @@ async def test_every_sample_once_and_ranks_agree(store) -> None:
     assert (await lakestream.verify(store)).ok
 
 
+async def test_the_first_step_is_fetched_alone_then_each_step_ahead_of_its_prefetches() -> None:
+    """The first batch has the store to itself (no prefetch competes with it); after it, a step's
+    own fetch starts before the prefetches it triggers."""
+    store = MemoryStore()
+    await lakestream.create(store, world_size=W, global_batch=B)
+    await produce(store, "p", 8 * B)
+    segments = {s.segment: s.step for s in (await lakestream.load_state(store)).steps}
+    events: list[tuple[str, int]] = []
+    get_range = store.get_range
+
+    async def logged(key: str, offset: int, length: int) -> bytes:
+        events.append(("start", segments[key]))
+        await anyio.sleep(0.01)
+        data = await get_range(key, offset, length)
+        events.append(("end", segments[key]))
+        return data
+
+    store.get_range = logged  # type: ignore[method-assign]
+    async with lakestream.open_reader(store, 0, prefetch=3) as r:
+        got = [b.step async for b in r.steps(0, 8)]
+    assert got == list(range(8))
+    assert events[:3] == [("start", 0), ("end", 0), ("start", 1)], events
+    starts = [step for what, step in events if what == "start"]
+    assert starts == sorted(starts), events  # each step's fetch starts before any later step's
+
+
 async def test_values_round_trip(store) -> None:
     async with lakestream.open_producer(store, "p") as p:
         await p.put({"__key__": "a", "txt": "héllo", "bin": b"\x00\x01", "npy": np.eye(2), "json": {"x": [1, 2]}})
