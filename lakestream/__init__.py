@@ -48,6 +48,7 @@ from ._lifecycle import mix as _mix
 from ._lifecycle import release as _release
 from ._lifecycle import reopen as _reopen
 from ._lifecycle import reshape as _reshape
+from ._lifecycle import retire_job as _retire_job
 from ._lifecycle import rewind as _rewind
 from ._manifest import Manifest, create_stream
 from ._pacing import BackoffPolicy, CommitPolicy, DacPolicy, EagerPolicy, IntervalPolicy
@@ -112,6 +113,7 @@ __all__ = [
     "release",
     "reopen",
     "reshape",
+    "retire_job",
     "rewind",
     "verify",
 ]
@@ -174,7 +176,8 @@ async def open_reader(
 
     Options: prefetch, max_prefetch_bytes, poll_interval, verify, raw (fields as stored bytes),
     collate, publish_consumed (publish the trainer's consumption mark, which back-pressure counts
-    from; default: rank 0 does), follower (a loaded `Manifest` shared by the readers of one node,
+    from; default: rank 0 does), job (the training job whose mark it publishes and whose
+    checkpoints `Reader.checkpoint` records; default `main`), follower (a loaded `Manifest` shared by the readers of one node,
     so that the log is read once for all of them).
     """
     async with _store_for(target) as store, Reader(store, rank, world_size, **options) as reader:
@@ -193,19 +196,27 @@ async def verify(target: Target, *, progress: Callable[[str, int, int], None] | 
         return report
 
 
-async def checkpoint(target: Target, checkpoint_id: str, step: int) -> bool:
+async def checkpoint(target: Target, checkpoint_id: str, step: int, *, job: str = "main") -> bool:
     """Record that the trainer's checkpoint `checkpoint_id` at `step` is durable (rank 0 calls it
-    after saving). False if already recorded. The newest `keep_checkpoints` are retained; the
-    oldest retained one's step is the watermark. Raises ConfigMismatch (same id, other step),
-    StepUnavailable (step not committed or not retained), ValueError (older than the newest)."""
+    after saving). False if already recorded. Each training job (`job`) has its own checkpoints;
+    the newest `keep_checkpoints` of each are retained; the oldest retained one's step, of any job,
+    is the watermark. Raises ConfigMismatch (same id, other step), StepUnavailable (step not
+    committed or not retained), ValueError (older than the job's newest)."""
     async with _store_for(target) as store:
-        return await _checkpoint(store, checkpoint_id, step)
+        return await _checkpoint(store, checkpoint_id, step, job=job)
 
 
-async def release(target: Target, checkpoint_id: str) -> bool:
-    """Drop a retained checkpoint; False if it was not retained."""
+async def release(target: Target, checkpoint_id: str, *, job: str = "main") -> bool:
+    """Drop a retained checkpoint of job `job`; False if it was not retained."""
     async with _store_for(target) as store:
-        return await _release(store, checkpoint_id)
+        return await _release(store, checkpoint_id, job=job)
+
+
+async def retire_job(target: Target, job: str) -> bool:
+    """Forget training job `job` (not `main`): its checkpoints are dropped, so GC may reclaim what
+    only they kept, and back-pressure no longer counts its consumption mark. False if it was not known."""
+    async with _store_for(target) as store:
+        return await _retire_job(store, job)
 
 
 async def rewind(
@@ -214,14 +225,19 @@ async def rewind(
     to_checkpoint: str | None = None,
     to_step: int | None = None,
     skip: Sequence[tuple[int, int]] = (),
+    job: str = "main",
 ) -> State:
     """Discard the steps after a retained checkpoint (or `to_step`) and fence every producer;
     each producer's resume cursor becomes its cursor as of that step. With `skip` (ranges
     (first, last) of steps after it, inclusive): replay the steps after it instead, but the skipped
     ones, whose samples are recorded as skipped; their TGBs become the next steps again (referenced,
-    not copied or produced again) and producers continue where they were. Returns the new state."""
+    not copied or produced again) and producers continue where they were. `to_checkpoint` names a
+    checkpoint of job `job`; ConfigMismatch while another job reads the stream (its consumption mark
+    is younger than a minute). Returns the new state."""
     async with _store_for(target) as store:
-        return await _rewind(store, to_checkpoint=to_checkpoint, to_step=to_step, skip=tuple((a, b) for a, b in skip))
+        return await _rewind(
+            store, to_checkpoint=to_checkpoint, to_step=to_step, skip=tuple((a, b) for a, b in skip), job=job
+        )
 
 
 async def close(target: Target, *, after_step: int | None = None) -> State:

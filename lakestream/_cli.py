@@ -33,6 +33,7 @@ from ._errors import LakestreamError
 from ._errors import first_error as _first_error
 from ._pacing import DacPolicy
 from ._pipeline import ProduceReport, SyntheticSource, produce
+from ._records import check_job
 from ._segment import FieldInfo
 from ._tasks import task_group
 from ._text import safe as _safe
@@ -108,6 +109,13 @@ def _nonneg(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is negative (steps and ranks count from 0)")
     return value
+
+
+def _job(text: str) -> str:
+    try:
+        return check_job(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _step_ranges(text: str) -> tuple[tuple[int, int], ...]:
@@ -336,6 +344,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="last step, inclusive; waits for it to commit (default: the head at the start, or the "
                         "last step of a closed stream)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object per step, and a summary, one per line")
+    p.add_argument("--job", type=_job, default=None, metavar="NAME",
+                   help="read as training job NAME: publish its consumption mark, which back-pressure counts while "
+                        "it is live (default: publish none)")  # fmt: skip
     _metrics_options(p)
 
     p = sub.add_parser("inspect", help="show each sample of a step: its fields' types, dtypes, shapes and sizes",
@@ -377,10 +388,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--id", required=True, help="checkpoint name")
     p.add_argument("--step", type=_nonneg, required=True, help="the step the checkpoint was taken after")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--job", type=_job, default="main", metavar="NAME", help="the training job it is a checkpoint of")
 
     p = sub.add_parser("release", help="drop a retained checkpoint", description="Drop a retained checkpoint.")
     p.add_argument("url", help=url_help)
     p.add_argument("--id", required=True, help="checkpoint name")
+    p.add_argument("--job", type=_job, default="main", metavar="NAME", help="the training job it is a checkpoint of")
+
+    p = sub.add_parser("job", help="list the training jobs reading a stream, or retire one", description=(
+        "List the stream's training jobs (each has its own checkpoints and consumption mark; `main` is the job of "
+        "everything that names none) with the step each consumed last and its lag behind the head. With --retire "
+        "NAME: forget job NAME, dropping its checkpoints (GC may then reclaim what only they kept) and no longer "
+        "counting its mark for back-pressure."
+    ))  # fmt: skip
+    p.add_argument("url", help=url_help)
+    p.add_argument("--retire", type=_job, metavar="NAME", help="the job to retire")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = sub.add_parser("rewind", help="discard the steps after a checkpoint and fence every producer", description=(
         "Discard every step after a retained checkpoint (or a step) and fence every producer; each producer "
@@ -394,6 +417,8 @@ def _parser() -> argparse.ArgumentParser:
     to.add_argument("--to-step", type=_nonneg, metavar="S", help="the last step to keep")
     p.add_argument("--skip-steps", type=_step_ranges, metavar="A-B[,C-D...]",
                    help="replay the steps after it but these (a range A-B is inclusive; A alone is one step)")  # fmt: skip
+    p.add_argument("--job", type=_job, default="main", metavar="NAME",
+                   help="the training job whose checkpoint --to-checkpoint names (refused while another job is live)")  # fmt: skip
 
     p = sub.add_parser("close", help="end the stream after a step: nothing more is committed", description=(
         "End the stream after step S (default: the head): no step past it is ever committed, so producers stop "
@@ -769,7 +794,8 @@ async def _read(a: argparse.Namespace) -> int:
     out = Path(a.out) if a.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-    async with lakestream.open_reader(a.url, a.rank, raw=True, publish_consumed=False) as r:
+    job = {"publish_consumed": True, "job": a.job} if a.job else {"publish_consumed": False}
+    async with lakestream.open_reader(a.url, a.rank, raw=True, **job) as r:
         start = a.from_step if a.from_step is not None else r.state.first_step
         end = r.state.head if r.state.closed_after is None else r.state.closed_after  # a closed stream: its close
         stop = a.to_step + 1 if a.to_step is not None else end + 1
@@ -851,23 +877,63 @@ def _show_sample(a: argparse.Namespace, rank: int, key: str, fields: list[FieldI
 
 
 async def _checkpoint(a: argparse.Namespace) -> int:
-    done = await lakestream.checkpoint(a.url, a.id, a.step)
+    done = await lakestream.checkpoint(a.url, a.id, a.step, job=a.job)
+    of = f" of job {a.job}" if a.job != "main" else ""
     if a.json:
-        _print_json({"url": a.url, "id": a.id, "step": a.step, "recorded": done})
+        _print_json({"url": a.url, "id": a.id, "step": a.step, "job": a.job, "recorded": done})
     else:
-        print(f"checkpoint {a.id} at step {a.step}: {'recorded' if done else 'already recorded'}")
+        print(_safe(f"checkpoint {a.id}{of} at step {a.step}: {'recorded' if done else 'already recorded'}"))
     return 0
 
 
 async def _release(a: argparse.Namespace) -> int:
-    done = await lakestream.release(a.url, a.id)
-    print(f"checkpoint {a.id}: {'released' if done else 'was not retained'}")
+    done = await lakestream.release(a.url, a.id, job=a.job)
+    of = f" of job {a.job}" if a.job != "main" else ""
+    print(_safe(f"checkpoint {a.id}{of}: {'released' if done else 'was not retained'}"))
     return 0
+
+
+async def _job_command(a: argparse.Namespace) -> int:
+    if a.retire is not None:
+        done = await lakestream.retire_job(a.url, a.retire)
+        print(f"job {a.retire}: {'retired, its checkpoints dropped' if done else 'was not a job of this stream'}")
+        return 0
+    state = await lakestream.load_state(a.url)
+    jobs = await _jobs_of(a.url, state)
+    if a.json:
+        _print_json({"url": a.url, "head_step": state.head, "jobs": jobs})
+        return 0
+    for j in jobs:
+        print(_safe(_job_line(j)))
+    return 0
+
+
+async def _jobs_of(url: str, state: lakestream.State) -> list[dict[str, Any]]:
+    """Each training job of the stream: its mark, lag behind the head and checkpoints."""
+    from ._lifecycle import jobs
+
+    async with lakestream.open_store(url) as store:
+        marks = await jobs(store, state)
+    now = time.time()
+    return [
+        {"job": job, "consumed": step, "lag": None if step is None else state.head - step,
+         "mark_age": None if ts is None else round(now - ts, 1),
+         "checkpoints": [{"id": c.id, "step": c.step} for c in state.checkpoints_of(job)]}
+        for job, step, ts in marks
+    ]  # fmt: skip
+
+
+def _job_line(j: dict[str, Any]) -> str:
+    consumed = "no consumption mark" if j["consumed"] is None else (
+        f"consumed step {j['consumed']} ({j['lag']} behind the head, marked {j['mark_age']:.0f} s ago)"
+    )  # fmt: skip
+    cps = ", ".join(f"{c['id']}@{c['step']}" for c in j["checkpoints"]) or "none"
+    return f"  job {j['job']}: {consumed}; checkpoints {cps}"
 
 
 async def _rewind(a: argparse.Namespace) -> int:
     skip = a.skip_steps or ()
-    state = await lakestream.rewind(a.url, to_checkpoint=a.to_checkpoint, to_step=a.to_step, skip=skip)
+    state = await lakestream.rewind(a.url, to_checkpoint=a.to_checkpoint, to_step=a.to_step, skip=skip, job=a.job)
     if not skip:
         print(f"rewound {a.url} to step {state.head}; every producer is fenced and resumes from its cursor there")
         return 0
@@ -982,7 +1048,9 @@ def status_dict(state: lakestream.State) -> dict[str, Any]:
             }
             for m in state.mixes
         ],
-        "checkpoints": [{"id": c.id, "step": c.step} for c in state.checkpoints],
+        "checkpoints": [
+            {"id": c.id, "step": c.step} | ({"job": c.job} if c.job != "main" else {}) for c in state.checkpoints
+        ],  # fmt: skip
         "watermark": state.watermark,
         "finished": sorted(pid for pid, p in state.producers.items() if p.finished),
         "leftovers": {
@@ -1024,6 +1092,7 @@ async def _pack(a: argparse.Namespace) -> int:
 async def _status(a: argparse.Namespace) -> int:
     state = await lakestream.load_state(a.url)
     d = status_dict(state)
+    d["jobs"] = await _jobs_of(a.url, state)
     if a.json:
         sys.stdout.write(orjson.dumps(d, option=orjson.OPT_INDENT_2).decode() + "\n")
         return 0
@@ -1033,6 +1102,9 @@ async def _status(a: argparse.Namespace) -> int:
         print(_safe(f"  producer {pid}: epoch {p['epoch']}, seq {p['seq']}, cursor {p['cursor']!r}"))
     for pid, h in d["leftovers"].items():
         print(_safe(f"  held leftover of {pid}: {h['samples']} samples (cursor {h['cursor']!r})"))
+    if state.jobs:  # `main` alone: what the lines above say already
+        for j in d["jobs"]:
+            print(_safe(_job_line(j)))
     if d["waiting_for"]:
         print(_safe(
             f"  the held leftovers wait for {', '.join(d['waiting_for'])} to finish (or `lakestream pack {a.url}`)"
@@ -1171,7 +1243,7 @@ def _umount(a: argparse.Namespace) -> int:
 
 COMMANDS = {
     "init": _init, "produce": _produce, "read": _read, "status": _status, "pack": _pack, "verify": _verify, "demo": _demo,
-    "checkpoint": _checkpoint, "release": _release, "rewind": _rewind, "delete": _delete, "reshape": _reshape, "mix": _mix, "gc": _gc,
+    "checkpoint": _checkpoint, "release": _release, "rewind": _rewind, "delete": _delete, "job": _job_command, "reshape": _reshape, "mix": _mix, "gc": _gc,
     "top": _top, "inspect": _inspect, "close": _close, "reopen": _reopen,
 }  # fmt: skip
 SYNC_COMMANDS = {"mount": _mount, "umount": _umount, "fleet": _fleet, "dev-s3": _dev_s3}

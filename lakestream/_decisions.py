@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from ._config import LIMITS, Config
 from ._errors import ConfigMismatch, MixChanged, ProducerFenced, StepUnavailable, StreamClosed
 from ._records import (
+    MAIN_JOB,
+    MAX_JOBS,
     MAX_STEP,
     CheckpointRecord,
     CloseRecord,
@@ -27,6 +29,7 @@ from ._records import (
     CreateRecord,
     FinishRecord,
     GroupRecord,
+    JobRecord,
     MixRecord,
     ReclaimRecord,
     RecordError,
@@ -36,6 +39,7 @@ from ._records import (
     ReshapeRecord,
     RewindRecord,
     TgbRef,
+    check_job,
     check_skip,
     check_source_name,
     check_weights,
@@ -53,6 +57,7 @@ __all__ = [
     "current_incarnation",
     "drop_source",
     "finish",
+    "job",
     "mix",
     "pack",
     "reclaim",
@@ -271,13 +276,19 @@ def pack(
     return CommitRecord(producer, epoch, pending[0].seq, tuple(t.ref for t in pending), lost, now, tuple(packs))
 
 
-def checkpoint(state: State, checkpoint_id: str, step: int, now: float, url: str = "") -> CheckpointRecord | None:
-    """Retain `step` for the trainer's checkpoint `checkpoint_id`; None if already recorded.
+def checkpoint(
+    state: State, checkpoint_id: str, step: int, now: float, url: str = "", job: str = MAIN_JOB
+) -> CheckpointRecord | None:
+    """Retain `step` for training job `job`'s checkpoint `checkpoint_id`; None if already recorded.
 
     Raises ConfigMismatch (the id at another step), StepUnavailable (the step is not committed or
-    not retained) and ValueError (older than the newest checkpoint).
+    not retained) and ValueError (older than the job's newest checkpoint, a bad job name, too many jobs).
     """
-    for c in state.checkpoints:
+    check_job(job)
+    mine = state.checkpoints_of(job)
+    if not state.knows_job(job) and len(state.jobs) >= MAX_JOBS:
+        raise ValueError(f"{url}: the stream has {MAX_JOBS} jobs already: retire one (`lakestream job --retire`)")
+    for c in mine:
         if c.id == checkpoint_id:
             if c.step != step:
                 raise ConfigMismatch(f"{url}: checkpoint {checkpoint_id!r} is at step {c.step}, not {step}")
@@ -286,21 +297,35 @@ def checkpoint(state: State, checkpoint_id: str, step: int, now: float, url: str
         raise StepUnavailable(
             f"{url}: cannot checkpoint step {step}: readable steps are {state.first_step}..{state.head}"
         )
-    if state.checkpoints and step < state.checkpoints[-1].step:
-        newest = state.checkpoints[-1]
+    if mine and step < mine[-1].step:
+        newest = mine[-1]
         raise ValueError(
             f"{url}: checkpoint step {step} is older than the newest checkpoint {newest.id!r} at step {newest.step}"
         )
     if not 0 < len(checkpoint_id) <= 256:
         raise ValueError(f"{url}: a checkpoint id is 1 to 256 characters, not {len(checkpoint_id)}")
-    return CheckpointRecord(checkpoint_id, step, now)
+    return CheckpointRecord(checkpoint_id, step, now, job)
 
 
-def release(state: State, checkpoint_id: str, now: float) -> ReleaseRecord | None:
-    """Drop a retained checkpoint; None if it is not retained."""
-    if not any(c.id == checkpoint_id for c in state.checkpoints):
+def release(state: State, checkpoint_id: str, now: float, job: str = MAIN_JOB) -> ReleaseRecord | None:
+    """Drop a retained checkpoint of job `job`; None if it is not retained."""
+    if not any(c.id == checkpoint_id for c in state.checkpoints_of(job)):
         return None
-    return ReleaseRecord(checkpoint_id, now)
+    return ReleaseRecord(checkpoint_id, now, job)
+
+
+def job(state: State, name: str, now: float, *, retire: bool = False, url: str = "") -> JobRecord | None:
+    """Make training job `name` known (back-pressure then counts its live consumption mark), or with
+    `retire` forget it and drop its checkpoints; None if that is so already. ValueError for `main`
+    (always known), a bad name, or a stream with MAX_JOBS jobs."""
+    check_job(name)
+    if name == MAIN_JOB:
+        raise ValueError(f"{url}: the main job is always known; release its checkpoints instead")
+    if (name in state.jobs) != retire:
+        return None
+    if not retire and len(state.jobs) >= MAX_JOBS:
+        raise ValueError(f"{url}: the stream has {MAX_JOBS} jobs already: retire one (`lakestream job --retire`)")
+    return JobRecord(name, retire, now)
 
 
 def rewind(
@@ -312,6 +337,7 @@ def rewind(
     now: float,
     url: str = "",
     skip: tuple[tuple[int, int], ...] = (),
+    job: str = MAIN_JOB,
 ) -> RewindRecord | None:
     """Discard the steps after a retained checkpoint (or `to_step`); with `skip` (step ranges
     after it, first and last inclusive), replay them but the skipped ones instead. None once a
@@ -326,10 +352,11 @@ def rewind(
         return None
     target = to_step
     if to_checkpoint is not None:
-        found = [c for c in state.checkpoints if c.id == to_checkpoint]
+        found = [c for c in state.checkpoints_of(job) if c.id == to_checkpoint]
         if not found:
-            have = ", ".join(f"{c.id}@{c.step}" for c in state.checkpoints) or "none"
-            raise StepUnavailable(f"{url}: no retained checkpoint {to_checkpoint!r} (retained: {have})")
+            have = ", ".join(f"{c.id}@{c.step}" for c in state.checkpoints_of(job)) or "none"
+            of = f" of job {job!r}" if job != MAIN_JOB else ""
+            raise StepUnavailable(f"{url}: no retained checkpoint {to_checkpoint!r}{of} (retained: {have})")
         target = found[0].step
     assert target is not None
     if not state.first_step - 1 <= target <= state.head:

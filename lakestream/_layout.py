@@ -4,7 +4,8 @@
     <stream>/_lakestream/snapshots/<version:020d>.json         the state at that version
     <stream>/_lakestream/last_snapshot                         hint {"version": v}
     <stream>/_lakestream/tail                                  hint {"version": v, "head": h}
-    <stream>/_lakestream/consumed                              mark {"step": s}
+    <stream>/_lakestream/consumed                              mark {"step": s, "ts": t} (job `main`)
+    <stream>/_lakestream/jobs/<job>/consumed                   mark {"step": s, "ts": t} (another job)
     <stream>/_lakestream/intents/<producer>/<epoch>-<seq>.json  a declared commit (combining)
     <stream>/_lakestream/intents/<producer>/r-<token>.json      a declared register (combining)
     <stream>/segments/<producer>/<epoch>-<seq>-<t><rand>.tgb   one immutable object per TGB
@@ -27,6 +28,7 @@ __all__ = [
     "END_NAME",
     "HINT_KEY",
     "INTENTS_PREFIX",
+    "JOBS_PREFIX",
     "KEY_FIELD",
     "LATEST_NAME",
     "LOG_PREFIX",
@@ -39,6 +41,7 @@ __all__ = [
     "STATUS_NAME",
     "TAIL_KEY",
     "TMP_SUFFIX",
+    "consumed_key",
     "intent_key",
     "log_key",
     "parse_intent_key",
@@ -57,6 +60,14 @@ SNAPSHOT_PREFIX = "_lakestream/snapshots/"
 HINT_KEY = "_lakestream/last_snapshot"
 TAIL_KEY = "_lakestream/tail"  # where the log ends, as its last writer saw it (a hint)
 CONSUMED_KEY = "_lakestream/consumed"  # the step the trainer consumed last (back-pressure's base)
+JOBS_PREFIX = "_lakestream/jobs/"
+
+
+def consumed_key(job: str) -> str:
+    """Where training job `job` publishes its consumption mark (`main`'s: CONSUMED_KEY, as ever)."""
+    return CONSUMED_KEY if job == "main" else f"{JOBS_PREFIX}{job}/consumed"
+
+
 INTENTS_PREFIX = "_lakestream/intents/"  # what producers declared for combining committers to commit
 SEGMENTS_PREFIX = "segments/"
 TMP_SUFFIX = ".tmp"

@@ -11,22 +11,27 @@ Each operation is one decision (`_decisions`) appended by `Manifest.append`.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
 import anyio
 
 from . import _decisions as decisions
-from ._errors import StreamInUse, StreamNotFound
-from ._layout import LOG_PREFIX, SEGMENTS_PREFIX, version_of
+from ._errors import ConfigMismatch, ObjectNotFound, StreamInUse, StreamNotFound
+from ._layout import LOG_PREFIX, SEGMENTS_PREFIX, consumed_key, version_of
 from ._manifest import Manifest
-from ._records import CloseRecord
+from ._records import MAIN_JOB, CloseRecord
 from ._retry import retry
 from ._state import State
 from ._store import ObjectStore
 
-__all__ = ["checkpoint", "close", "close_when_done", "delete", "mix", "release", "reopen", "reshape", "rewind"]
+__all__ = [
+    "checkpoint", "close", "close_when_done", "delete", "jobs", "mix", "release", "reopen", "reshape", "retire_job",
+    "rewind",
+]  # fmt: skip
 
+JOB_LIVE = 60.0  # seconds: a job whose consumption mark is older is not live (a rewind does not wait for it)
 LIVE_WITHIN = 120.0  # seconds: a producer that wrote a record this lately is live (`delete` refuses)
 DELETE_BATCH = 1000  # keys a delete request names (S3's DeleteObjects limit)
 
@@ -38,8 +43,9 @@ async def checkpoint(
     *,
     manifest: Manifest | None = None,
     wall: Callable[[], float] = time.time,
+    job: str = MAIN_JOB,
 ) -> bool:
-    """Record that the trainer's checkpoint `checkpoint_id` at `step` is durable.
+    """Record that training job `job`'s checkpoint `checkpoint_id` at `step` is durable.
 
     `manifest`: a view of the stream that is followed already (a reader's): it is caught up and
     appended to, instead of loading the log afresh. A throttled or unreachable store is retried
@@ -55,16 +61,40 @@ async def checkpoint(
         await m.load()
     else:
         await m.refresh()
-    result = await m.append(lambda st, _: decisions.checkpoint(st, checkpoint_id, step, wall(), store.url))
+    result = await m.append(lambda st, _: decisions.checkpoint(st, checkpoint_id, step, wall(), store.url, job))
     return result.version is not None
 
 
-async def release(store: ObjectStore, checkpoint_id: str, *, wall: Callable[[], float] = time.time) -> bool:
-    """Drop a retained checkpoint; True if it was retained."""
+async def release(
+    store: ObjectStore, checkpoint_id: str, *, job: str = MAIN_JOB, wall: Callable[[], float] = time.time
+) -> bool:
+    """Drop a retained checkpoint of job `job`; True if it was retained."""
     m = Manifest(store)
     await m.load()
-    result = await m.append(lambda st, _: decisions.release(st, checkpoint_id, wall()))
+    result = await m.append(lambda st, _: decisions.release(st, checkpoint_id, wall(), job))
     return result.version is not None
+
+
+async def retire_job(store: ObjectStore, job: str, *, wall: Callable[[], float] = time.time) -> bool:
+    """Forget training job `job`: its checkpoints are dropped (GC may reclaim what only they kept)
+    and back-pressure no longer counts its consumption mark. True if it was known."""
+    m = Manifest(store)
+    await m.load()
+    result = await m.append(lambda st, _: decisions.job(st, job, wall(), retire=True, url=store.url))
+    if result.version is not None:
+        with contextlib.suppress(ObjectNotFound):
+            await retry(lambda: store.delete([consumed_key(job)]))
+    return result.version is not None
+
+
+async def jobs(store: ObjectStore, state: State) -> list[tuple[str, int | None, float | None]]:
+    """(job, step its mark says it consumed last, when it published it) of every job of the stream."""
+    m = Manifest(store)
+    out: list[tuple[str, int | None, float | None]] = []
+    for job in [MAIN_JOB, *state.jobs]:
+        mark = await retry(lambda job=job: m.read_mark(job))  # type: ignore[misc]
+        out.append((job, None, None) if mark is None else (job, *mark))
+    return out
 
 
 async def rewind(
@@ -73,6 +103,8 @@ async def rewind(
     to_checkpoint: str | None = None,
     to_step: int | None = None,
     skip: tuple[tuple[int, int], ...] = (),
+    job: str = MAIN_JOB,
+    live_within: float = JOB_LIVE,
     wall: Callable[[], float] = time.time,
 ) -> State:
     """Discard every step after a checkpoint's step (or `to_step`) and fence every producer.
@@ -81,12 +113,25 @@ async def rewind(
     re-produce the source records after it into new steps. With `skip` (ranges of steps after it,
     first and last inclusive) the steps after it are replayed instead, but the skipped ones: their
     TGBs become the next steps again, by reference, and producers continue where they were (see
-    `State`). Returns the new state.
+    `State`). `to_checkpoint` names a checkpoint of job `job`. Refuses (ConfigMismatch) while
+    another job of the stream is live (published its consumption mark within `live_within` s):
+    the rewind would change the steps it reads. Returns the new state.
     """
     if (to_checkpoint is None) == (to_step is None):
         raise ValueError("rewind needs exactly one of to_checkpoint and to_step")
     m = Manifest(store)
-    before = (await m.load()).rewinds
+    state = await m.load()
+    before = state.rewinds
+    now = wall()
+    live = [
+        (j, step) for j, step, ts in await jobs(store, state) if j != job and ts is not None and now - ts < live_within
+    ]
+    if live:
+        names = ", ".join(f"{j!r} (at step {step})" for j, step in live)
+        raise ConfigMismatch(
+            f"{store.url}: job{'s' if len(live) > 1 else ''} {names} read{'' if len(live) > 1 else 's'} this stream "
+            f"too: a rewind would change its steps; stop it and retire it (`lakestream job URL --retire NAME`) first"
+        )
     await m.append(
         lambda st, _: decisions.rewind(
             st,
@@ -96,6 +141,7 @@ async def rewind(
             now=wall(),
             url=store.url,
             skip=skip,
+            job=job,
         )  # fmt: skip
     )
     return m.state

@@ -63,8 +63,8 @@ import orjson
 
 from . import _decisions as decisions
 from ._errors import ConfigMismatch, CorruptData, ObjectNotFound, StoreUnavailable, StreamNotFound
-from ._layout import CONSUMED_KEY, HINT_KEY, LOG_PREFIX, SNAPSHOT_PREFIX, TAIL_KEY, log_key, snapshot_key, version_of
-from ._records import PRODUCER_ID, Record, encode_record
+from ._layout import HINT_KEY, LOG_PREFIX, SNAPSHOT_PREFIX, TAIL_KEY, consumed_key, log_key, snapshot_key, version_of
+from ._records import MAIN_JOB, PRODUCER_ID, Record, encode_record
 from ._retry import STORE_BACKOFF, retry
 from ._state import Config, State
 from ._store import ObjectStore
@@ -537,13 +537,31 @@ class Manifest:
         await self.store.put(TAIL_KEY, orjson.dumps({**hint, "since": since, "landed": landed}))
         self.requests += 1
 
-    async def read_consumed(self) -> int | None:
-        """The step the trainer consumed last, as its reader last published it (`publish_consumed`)."""
-        mark = await self._small_object(CONSUMED_KEY, ("step",))
+    async def read_consumed(self, job: str = MAIN_JOB) -> int | None:
+        """The step training job `job` consumed last, as its reader last published it (`publish_consumed`)."""
+        mark = await self.read_mark(job)
         return None if mark is None else mark[0]
 
-    async def publish_consumed(self, step: int, now: float) -> None:
-        await self.store.put(CONSUMED_KEY, orjson.dumps({"step": step, "ts": now}))
+    async def read_mark(self, job: str = MAIN_JOB) -> tuple[int, float] | None:
+        """(step, when) of training job `job`'s consumption mark, or None (absent, or unreadable: a
+        hint anyone could have written, so validated and ignored with a warning when it is bad)."""
+        key = consumed_key(job)
+        data = await self._get(key)
+        self.requests += 1
+        if data is None:
+            return None
+        try:
+            d = orjson.loads(data[:256])
+            step, ts = d["step"], d.get("ts", 0.0)
+        except (ValueError, KeyError, TypeError):
+            step = ts = None
+        if not (type(step) is int and -1 <= step < 1 << 63 and type(ts) in (int, float) and math.isfinite(ts)):
+            log.warning("%s: ignoring the unreadable %s: %r", self.url, key, data[:100])
+            return None
+        return step, float(ts)
+
+    async def publish_consumed(self, step: int, now: float, job: str = MAIN_JOB) -> None:
+        await self.store.put(consumed_key(job), orjson.dumps({"step": step, "ts": now}))
         self.requests += 1
 
     async def write_snapshot(self, state_json: bytes, version: int) -> None:

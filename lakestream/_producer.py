@@ -34,6 +34,7 @@ from ._batching import assign_ranks, mix_counts, pack_plan, packed_cursor
 from ._combine import Combiner
 from ._errors import CorruptData, InvalidSample, ObjectNotFound, ProducerFenced, SegmentLost
 from ._layout import COST_FIELD, INTENTS_PREFIX, intent_key, register_intent_key, segment_key
+from ._lifecycle import JOB_LIVE
 from ._manifest import Manifest, Tail
 from ._pacing import AttemptOutcome, CommitPolicy, Observation, make_policy
 from ._records import (
@@ -1014,7 +1015,14 @@ class Producer:
             await self._read_mark()
 
     async def _read_mark(self) -> None:
+        """The consumption mark back-pressure follows: the slowest of the `main` job's mark and
+        the marks of the other jobs the stream knows that are live (published within JOB_LIVE)."""
         mark = await self.manifest.read_consumed()
+        now = self._wall()
+        for job in self.manifest.state.jobs:
+            other = await self.manifest.read_mark(job)
+            if other is not None and now - other[1] < JOB_LIVE:
+                mark = other[0] if mark is None else min(mark, other[0])
         self._mark_at = self._clock()
         if mark is not None or self._mark is None:
             self._mark = mark  # a mark that went away (deleted, unreadable) keeps the last one seen

@@ -21,11 +21,13 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
+from . import _decisions as decisions
 from . import _hooks
 from ._batching import reslice
 from ._errors import ConfigMismatch, CorruptData, ObjectNotFound, StepUnavailable
 from ._lifecycle import checkpoint as _checkpoint
 from ._manifest import Manifest
+from ._records import MAIN_JOB, check_job
 from ._retry import retry
 from ._segment import (
     Block,
@@ -126,9 +128,11 @@ class Reader:
         publish_consumed: bool | None = None,
         follower: Manifest | None = None,
         clock: Callable[[], float] = time.monotonic,
+        job: str = MAIN_JOB,
     ) -> None:
         if rank is not None and (type(rank) is not int or rank < 0):
             raise ValueError(f"rank must be a non-negative integer, got {rank!r}")
+        self.job = check_job(job)
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -147,6 +151,7 @@ class Reader:
         # The trainer's consumption mark, which back-pressure counts from: rank 0 publishes it.
         self.publish_consumed = rank == 0 if publish_consumed is None else publish_consumed
         self.consumed = -1  # the last step `steps` yielded whose next step was then asked for
+        self._published = -1  # the consumption mark last published
         self._reading_ahead = False
         self._checkpoints: deque[_Checkpoint] = deque()  # asked for, not recorded yet; the first in progress
         self._checkpoint_error: Exception | None = None
@@ -179,22 +184,26 @@ class Reader:
         self.world_size = w
         self._tg = await enter_task_group()
         if self.publish_consumed:
+            if not state.knows_job(self.job):  # so that producers count its mark (back-pressure)
+                await self.manifest.append(lambda st, _: decisions.job(st, self.job, time.time(), url=self.url))
             self._tg.start_soon(self._publish)
         return self
 
     async def _publish(self) -> None:
         """Publish the consumption mark every PUBLISH_EVERY seconds while it moves (one small
         blind PUT; a failure is retried at the next turn, never fatal)."""
-        published = -1
         while True:
             await anyio.sleep(PUBLISH_EVERY)
-            if self.consumed != published:
-                step = self.consumed
-                try:
-                    await self.manifest.publish_consumed(step, time.time())
-                    published = step
-                except Exception as e:
-                    log.debug("%s: publishing the consumption mark failed: %s", self.url, e)
+            await self._publish_once()
+
+    async def _publish_once(self) -> None:
+        if self.consumed != self._published:
+            step = self.consumed
+            try:
+                await self.manifest.publish_consumed(step, time.time(), self.job)
+                self._published = step
+            except Exception as e:
+                log.debug("%s: publishing the consumption mark failed: %s", self.url, e)
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
@@ -203,6 +212,9 @@ class Reader:
         tg, self._tg = self._tg, None
         await cancel_task_group(tg)
         self._fetches.clear()
+        if tg is not None and self.publish_consumed:  # where it stopped, for back-pressure and `lakestream job`
+            with anyio.move_on_after(PUBLISH_EVERY, shield=True):
+                await self._publish_once()
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -231,7 +243,9 @@ class Reader:
             turn = self._checkpoints[0]
             try:
                 if self._checkpoint_error is None:
-                    turn.recorded = await _checkpoint(self.store, turn.id, turn.step, manifest=self.manifest)
+                    turn.recorded = await _checkpoint(
+                        self.store, turn.id, turn.step, manifest=self.manifest, job=self.job
+                    )
             except Exception as e:
                 self._checkpoint_error = e
             finally:

@@ -23,6 +23,7 @@ from ._config import LIMITS, Config
 
 __all__ = [
     "CHECKSUM_BITS",
+    "MAIN_JOB",
     "MAX_STEP",
     "CheckpointRecord",
     "CloseRecord",
@@ -30,6 +31,7 @@ __all__ = [
     "CreateRecord",
     "FinishRecord",
     "GroupRecord",
+    "JobRecord",
     "MixRecord",
     "ReclaimRecord",
     "Record",
@@ -41,6 +43,7 @@ __all__ = [
     "Resume",
     "RewindRecord",
     "TgbRef",
+    "check_job",
     "check_source_name",
     "decode_record",
     "encode_record",
@@ -49,6 +52,19 @@ __all__ = [
 
 PRODUCER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_CHECKPOINT_ID = 256
+JOB_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")  # a training job's name (`--job`)
+MAIN_JOB = "main"  # the job of every record that names none
+MAX_JOBS = 256  # jobs a stream knows at once
+
+
+def check_job(name: Any) -> str:
+    """`name` if it is a job name (1 to 64 letters, digits, '_', '.', '-', not starting with '.' or
+    '-'), else ValueError."""
+    if not isinstance(name, str) or not JOB_NAME.fullmatch(name):
+        raise ValueError(f"job name {name!r:.80}: a job name is 1 to 64 letters, digits, '_', '.' and '-'")
+    return name
+
+
 MAX_SEGMENT_KEY = 1024
 CHECKSUM_BITS = {"crc32": 32, "xxh3-64": 64}  # the checksums a TGB's slices may have, and their widths
 MAX_PACKED = 65536  # producers whose leftovers one packed TGB holds
@@ -181,25 +197,42 @@ class FinishRecord:
 
 @dataclass(frozen=True, slots=True)
 class CheckpointRecord:
-    """The trainer's checkpoint `id` at `step` is durable: retain the step."""
+    """The trainer's checkpoint `id` at `step` is durable: retain the step. `job`: the training
+    job whose checkpoint it is (absent: `main`); a job not known yet becomes known."""
 
     id: str
     step: int
     ts: float = 0.0
+    job: str = MAIN_JOB
     kind: ClassVar[str] = "checkpoint"
 
     def members(self) -> dict[str, Any]:
-        return {"id": self.id, "step": self.step, "ts": self.ts}
+        return {"id": self.id, "step": self.step, "ts": self.ts} | ({"job": self.job} if self.job != MAIN_JOB else {})
 
 
 @dataclass(frozen=True, slots=True)
 class ReleaseRecord:
     id: str
     ts: float = 0.0
+    job: str = MAIN_JOB
     kind: ClassVar[str] = "release"
 
     def members(self) -> dict[str, Any]:
-        return {"id": self.id, "ts": self.ts}
+        return {"id": self.id, "ts": self.ts} | ({"job": self.job} if self.job != MAIN_JOB else {})
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    """A training job `job` reads the stream (back-pressure counts its consumption mark while it
+    is live); with `retire`, it no longer does: its checkpoints are dropped and its mark ignored."""
+
+    job: str
+    retire: bool = False
+    ts: float = 0.0
+    kind: ClassVar[str] = "job"
+
+    def members(self) -> dict[str, Any]:
+        return {"job": self.job, "retire": self.retire, "ts": self.ts}
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,7 +400,7 @@ class GroupRecord:
 
 Record = (
     CreateRecord | RegisterRecord | CommitRecord | CheckpointRecord | ReleaseRecord | ReclaimRecord | RewindRecord
-    | ReshapeRecord | MixRecord | FinishRecord | GroupRecord | CloseRecord | ReopenRecord
+    | ReshapeRecord | MixRecord | FinishRecord | GroupRecord | CloseRecord | ReopenRecord | JobRecord
 )  # fmt: skip
 
 
@@ -469,6 +502,13 @@ def decode_record(data: bytes) -> Record:
     return _decode(r)
 
 
+def _job(f: _Fields, r: dict[str, Any], what: str, *, required: bool = False) -> str:
+    """The record's `job`: a job name; absent (unless `required`): `main`."""
+    job = r.get("job", None if required else MAIN_JOB)
+    f.need(isinstance(job, str) and bool(JOB_NAME.fullmatch(job)), f"{what}: bad job name {job!r:.80}")
+    return str(job)
+
+
 def _decode(r: Any, *, inner: bool = False) -> Record:
     if not isinstance(r, dict) or not isinstance(r.get("kind"), str):
         raise RecordError("not a record: a JSON object with a string 'kind' is required")
@@ -532,11 +572,15 @@ def _decode(r: Any, *, inner: bool = False) -> Record:
     if kind == "checkpoint":
         cid = r.get("id")
         f.need(isinstance(cid, str) and 0 < len(cid) <= MAX_CHECKPOINT_ID, f"checkpoint: bad id {cid!r}")
-        return CheckpointRecord(str(cid), f.int("step", why=f"checkpoint {cid}: bad step {r.get('step')!r}"), f.ts())
+        step = f.int("step", why=f"checkpoint {cid}: bad step {r.get('step')!r}")
+        return CheckpointRecord(str(cid), step, f.ts(), _job(f, r, f"checkpoint {cid}"))
     if kind == "release":
         cid = r.get("id")
         f.need(isinstance(cid, str), f"release: no checkpoint {cid!r}")
-        return ReleaseRecord(str(cid), f.ts())
+        return ReleaseRecord(str(cid), f.ts(), _job(f, r, "release"))
+    if kind == "job":
+        f.need(type(r.get("retire", False)) is bool, f"job: retire must be true or false, not {r.get('retire')!r:.40}")
+        return JobRecord(_job(f, r, "job", required=True), r.get("retire", False), f.ts())
     if kind == "reclaim":
         return ReclaimRecord(f.int("below", why=f"reclaim: bad step {r.get('below')!r}"), f.ts())
     if kind == "rewind":

@@ -64,6 +64,9 @@ from ._config import FORMAT_VERSION, LIMITS, Config
 from ._layout import segment_prefix
 from ._records import (
     CHECKSUM_BITS,
+    JOB_NAME,
+    MAIN_JOB,
+    MAX_JOBS,
     PRODUCER_ID,
     CheckpointRecord,
     CloseRecord,
@@ -71,6 +74,7 @@ from ._records import (
     CreateRecord,
     FinishRecord,
     GroupRecord,
+    JobRecord,
     MixRecord,
     ReclaimRecord,
     Record,
@@ -248,6 +252,7 @@ class Checkpoint:
     id: str
     step: int
     version: int
+    job: str = MAIN_JOB
 
 
 @dataclass(slots=True)
@@ -267,6 +272,7 @@ class State:
     leftovers: dict[str, Leftover] = field(default_factory=dict)  # held, by producer
     closed_after: int | None = None  # the stream ends after this step (a `close` record), if closed
     skipped: list[Skipped] = field(default_factory=list)  # TGBs a replay skipped, rising `at`
+    jobs: list[str] = field(default_factory=list)  # the training jobs other than `main` known, sorted
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -277,8 +283,8 @@ class State:
 
     @property
     def watermark(self) -> int:
-        """The oldest retained checkpoint's step; -1 with no checkpoint (nothing reclaimable)."""
-        return self.checkpoints[0].step if self.checkpoints else -1
+        """The oldest retained checkpoint's step, of any job; -1 with no checkpoint (nothing reclaimable)."""
+        return min(c.step for c in self.checkpoints) if self.checkpoints else -1
 
     def shape_at(self, step: int) -> tuple[int, int]:
         """(world size, global batch) of `step`: the newest reshape from `step` or before, else the config's."""
@@ -309,6 +315,14 @@ class State:
     def batch_at(self, step: int) -> int:
         """The most samples `step` may hold."""
         return self.shape_at(step)[1]
+
+    def checkpoints_of(self, job: str) -> list[Checkpoint]:
+        """The retained checkpoints of training job `job`, oldest first."""
+        return [c for c in self.checkpoints if c.job == job]
+
+    def knows_job(self, job: str) -> bool:
+        """Whether `job` is a training job of this stream: `main`, or one a record named since."""
+        return job == MAIN_JOB or job in self.jobs
 
     def step(self, n: int) -> Step | None:
         i = n - self.first_step
@@ -436,12 +450,21 @@ class State:
         elif isinstance(r, CheckpointRecord):
             cid, step = r.id, r.step
             _need(self.first_step <= step <= self.head, f"checkpoint {cid}: step {step} is not retained")
-            for c in self.checkpoints:
+            mine = self.checkpoints_of(r.job)
+            for c in mine:
                 _need(c.id != cid, f"checkpoint {cid}: id already recorded at step {c.step}")
-            _need(not self.checkpoints or step >= self.checkpoints[-1].step,
+            _need(not mine or step >= mine[-1].step,
                   f"checkpoint {cid}: step {step} is older than the newest checkpoint")  # fmt: skip
+            _need(self.knows_job(r.job) or len(self.jobs) < MAX_JOBS, f"checkpoint {cid}: {MAX_JOBS} jobs already")
         elif isinstance(r, ReleaseRecord):
-            _need(any(c.id == r.id for c in self.checkpoints), f"release: no checkpoint {r.id!r}")
+            _need(any((c.job, c.id) == (r.job, r.id) for c in self.checkpoints), f"release: no checkpoint {r.id!r}")
+        elif isinstance(r, JobRecord):
+            _need(r.job != MAIN_JOB, "job: the main job is always known (release its checkpoints instead)")
+            if r.retire:
+                _need(r.job in self.jobs, f"job: no job {r.job!r} to retire")
+            else:
+                _need(r.job not in self.jobs, f"job: {r.job!r} is known already")
+                _need(len(self.jobs) < MAX_JOBS, f"job {r.job}: {MAX_JOBS} jobs already")
         elif isinstance(r, ReclaimRecord):
             _need(r.below > self.first_step, f"reclaim: steps below {r.below} are already gone")
             _need(r.below <= self.watermark, f"reclaim: step {r.below} is above the watermark {self.watermark}")
@@ -618,12 +641,22 @@ class State:
             p.commits += 1
             p.tgbs += len(r.tgbs)
         elif isinstance(r, CheckpointRecord):
-            self.checkpoints.append(Checkpoint(r.id, r.step, version))
+            self.checkpoints.append(Checkpoint(r.id, r.step, version, r.job))
+            if not self.knows_job(r.job):
+                bisect.insort(self.jobs, r.job)
             assert self.config is not None
-            if self.config.keep_checkpoints:
-                del self.checkpoints[: -self.config.keep_checkpoints]
+            keep = self.config.keep_checkpoints
+            if keep and len(mine := self.checkpoints_of(r.job)) > keep:  # the job's oldest ones go
+                old = {id(c) for c in mine[:-keep]}
+                self.checkpoints = [c for c in self.checkpoints if id(c) not in old]
         elif isinstance(r, ReleaseRecord):
-            self.checkpoints = [c for c in self.checkpoints if c.id != r.id]
+            self.checkpoints = [c for c in self.checkpoints if (c.job, c.id) != (r.job, r.id)]
+        elif isinstance(r, JobRecord):
+            if r.retire:
+                self.jobs.remove(r.job)
+                self.checkpoints = [c for c in self.checkpoints if c.job != r.job]
+            else:
+                bisect.insort(self.jobs, r.job)
         elif isinstance(r, ReclaimRecord):
             gone = [k for k in self.skipped if k.at < r.below]
             for s in _in_order(self.steps[: r.below - self.first_step], gone):
@@ -714,10 +747,10 @@ class State:
         return State(
             version=self.version, config=self.config, first_step=self.first_step, steps=list(self.steps),
             producers={k: ProducerState(**v.to_dict()) for k, v in self.producers.items()},
-            checkpoints=[Checkpoint(c.id, c.step, c.version) for c in self.checkpoints],
+            checkpoints=[Checkpoint(c.id, c.step, c.version, c.job) for c in self.checkpoints],
             rewinds=self.rewinds, rejected=list(self.rejected), shapes=list(self.shapes),
             mixes=list(self.mixes), leftovers=dict(self.leftovers), closed_after=self.closed_after,
-            skipped=list(self.skipped),
+            skipped=list(self.skipped), jobs=list(self.jobs),
         )  # fmt: skip
 
     # -- snapshots -----------------------------------------------------------------------------
@@ -739,7 +772,9 @@ class State:
                 "first_step": self.first_step,
                 "steps": [s.to_list() for s in self.steps],
                 "producers": {k: self.producers[k].to_dict() for k in sorted(self.producers)},
-                "checkpoints": [[c.id, c.step, c.version] for c in self.checkpoints],
+                "checkpoints": [
+                    [c.id, c.step, c.version] + ([c.job] if c.job != MAIN_JOB else []) for c in self.checkpoints
+                ],
                 "rewinds": self.rewinds,
                 "rejected": [list(x) for x in self.rejected],
             }
@@ -756,6 +791,7 @@ class State:
             )
             | ({"closed_after": self.closed_after} if self.closed_after is not None else {})  # absent unless closed
             | ({"skipped": [k.to_list() for k in self.skipped]} if self.skipped else {})  # absent unless skipped
+            | ({"jobs": list(self.jobs)} if self.jobs else {})  # absent while `main` is the only job
         )
 
     @classmethod
@@ -834,9 +870,11 @@ class State:
             )  # fmt: skip
         elif isinstance(r, CheckpointRecord):
             last = self.checkpoints[-1] if self.checkpoints else None
-            ok = last is not None and (last.id, last.step, last.version) == (r.id, r.step, v)
+            ok = last is not None and (last.id, last.step, last.version, last.job) == (r.id, r.step, v, r.job)
         elif isinstance(r, ReleaseRecord):
-            ok = all(c.id != r.id for c in self.checkpoints)
+            ok = all((c.job, c.id) != (r.job, r.id) for c in self.checkpoints)
+        elif isinstance(r, JobRecord):
+            ok = (r.job in self.jobs) != r.retire and (not r.retire or not self.checkpoints_of(r.job))
         elif isinstance(r, ReclaimRecord):
             ok = self.first_step == r.below
         elif isinstance(r, MixRecord):
@@ -895,7 +933,7 @@ def _state_from_dict(d: dict[str, Any]) -> State:
 
     O(steps x world size); messages are only formatted for the field that fails.
     """
-    if d.keys() - {"shapes", "mixes", "leftovers", "closed_after", "skipped"} != _STATE_KEYS:
+    if d.keys() - {"shapes", "mixes", "leftovers", "closed_after", "skipped", "jobs"} != _STATE_KEYS:
         raise _bad(f"members {sorted(d)!r:.200} are not {sorted(_STATE_KEYS)}")
     version, first, rewinds = d["version"], d["first_step"], d["rewinds"]
     for name, v in (("version", version), ("first_step", first), ("rewinds", rewinds)):
@@ -986,20 +1024,31 @@ def _state_from_dict(d: dict[str, Any]) -> State:
     checkpoints: list[Checkpoint] = []
     if not isinstance(d["checkpoints"], list):
         raise _bad("checkpoints is not a list")
-    ids: set[str] = set()
+    jobs = d.get("jobs", [])
+    if not (isinstance(jobs, list) and len(jobs) <= MAX_JOBS and jobs == sorted(set(jobs))
+            and all(isinstance(j, str) and JOB_NAME.fullmatch(j) and j != MAIN_JOB for j in jobs)):  # fmt: skip
+        raise _bad(f"jobs {jobs!r:.200} is not a sorted list of distinct job names other than {MAIN_JOB!r}")
+    ids: set[tuple[str, str]] = set()
+    newest: dict[str, int] = {}  # each job's newest checkpoint's step
+    last_version = 0
     for raw in d["checkpoints"]:
-        if not (isinstance(raw, list) and len(raw) == 3):
-            raise _bad(f"checkpoint {raw!r:.200} is not [id, step, version]")
-        cid, step, cv = raw
-        prev = checkpoints[-1] if checkpoints else Checkpoint("", first, 0)
-        if not (isinstance(cid, str) and 0 < len(cid) <= 256 and cid not in ids):
+        if not (isinstance(raw, list) and len(raw) in (3, 4)):
+            raise _bad(f"checkpoint {raw!r:.200} is not [id, step, version] or [id, step, version, job]")
+        cid, step, cv, *rest = raw
+        job = rest[0] if rest else MAIN_JOB
+        if not ((job == MAIN_JOB and not rest) or job in jobs):
+            raise _bad(f"checkpoint {cid!r:.300}: job {job!r:.80} is not among the jobs")
+        if not (isinstance(cid, str) and 0 < len(cid) <= 256 and (job, cid) not in ids):
             raise _bad(f"bad or repeated checkpoint id {cid!r:.300}")
-        if not (_int(step) and prev.step <= step <= head and _int(cv) and prev.version < cv <= version):
+        low = newest.get(job, first)
+        if not (_int(step) and low <= step <= head and _int(cv) and last_version < cv <= version):
             raise _bad(f"checkpoint {cid}: step {step!r:.40} or version {cv!r:.40} out of order or not retained")
-        ids.add(cid)
-        checkpoints.append(Checkpoint(cid, step, cv))
-    if config.keep_checkpoints and len(checkpoints) > config.keep_checkpoints:
-        raise _bad(f"{len(checkpoints)} checkpoints, the stream keeps {config.keep_checkpoints}")
+        ids.add((job, cid))
+        newest[job], last_version = step, cv
+        checkpoints.append(Checkpoint(cid, step, cv, job))
+    keep = config.keep_checkpoints
+    if keep and any(sum(c.job == j for c in checkpoints) > keep for j in newest):
+        raise _bad(f"more checkpoints of a job than the {keep} the stream keeps")
 
     rejected: list[tuple[int, str]] = []
     if not isinstance(d["rejected"], list):
@@ -1020,7 +1069,7 @@ def _state_from_dict(d: dict[str, Any]) -> State:
     skipped = _skipped_from(d.get("skipped", []), producers, first, head, version)
     return State(
         version, config, first, steps, producers, checkpoints, rewinds, rejected, shapes, mixes, leftovers, closed,
-        skipped,
+        skipped, jobs,
     )  # fmt: skip
 
 

@@ -77,6 +77,7 @@ import torch
 import torch.utils.data
 
 import lakestream
+from lakestream._records import check_job
 from lakestream._segment import npy_info
 
 __all__ = ["CheckpointHook", "MountDataset", "StreamDataset", "checkpoint_hook", "resolve_rank"]
@@ -325,7 +326,7 @@ class _StreamIterator(Iterator[dict[str, Any]]):
         self._source: _Source | None = None
         if (stop is not None and start >= stop) or dataset._done:
             return
-        options = {"prefetch": dataset.prefetch, **dataset.reader_options}
+        options = {"prefetch": dataset.prefetch, "job": dataset.job, **dataset.reader_options}
         if dataset.collate:
             options["collate"] = True
         try:
@@ -467,8 +468,9 @@ class StreamDataset(_Resumable, torch.utils.data.IterableDataset):  # type: igno
     `init_process_group`); the reader fails with ConfigMismatch if the stream has another world
     size (saying to pass `rank=` and `world_size=` if they were found nowhere). `start`: the first
     step; `stop`: exclusive, None to follow the stream until it is closed (waiting for steps not committed
-    yet). `prefetch`: committed steps fetched ahead. `reader_options`: more
-    `lakestream.open_reader` options (poll_interval, verify, …).
+    yet). `prefetch`: committed steps fetched ahead. `job`: the training job whose consumption mark
+    rank 0 publishes (each job on a stream has its own checkpoints and mark; see `checkpoint_hook`).
+    `reader_options`: more `lakestream.open_reader` options (poll_interval, verify, …).
 
     Use with `DataLoader(ds, batch_size=None)`, or torchdata's `StatefulDataLoader` to resume with
     `num_workers > 0` (see the module docstring). Each iterator runs its reader on an event loop in
@@ -486,11 +488,13 @@ class StreamDataset(_Resumable, torch.utils.data.IterableDataset):  # type: igno
         prefetch: int = 4,
         reader_options: dict[str, Any] | None = None,
         collate: bool = False,
+        job: str = "main",
     ) -> None:
         super().__init__()
         _check_steps(start, stop)
         self.url = os.fspath(url)
         self.collate = collate
+        self.job = check_job(job)
         self.rank, self.world_size, self._rank_defaulted = _resolve_rank(rank, world_size)
         self.start = start
         self.stop = stop
@@ -765,8 +769,8 @@ class CheckpointHook:
     it already was. A throttled or unreachable store is retried for as long as it takes.
     """
 
-    def __init__(self, url: str, rank: int) -> None:
-        self.url, self.rank = url, rank
+    def __init__(self, url: str, rank: int, job: str = "main") -> None:
+        self.url, self.rank, self.job = url, rank, check_job(job)
         self._portal_cm: Any = None
         self._portal: Any = None
         self._pending: list[Future[bool]] = []
@@ -823,16 +827,16 @@ class CheckpointHook:
                 await manifest.load()
                 self._view = (store, manifest)
             store, manifest = self._view
-            return await checkpoint(store, checkpoint_id, step, manifest=manifest)
+            return await checkpoint(store, checkpoint_id, step, manifest=manifest, job=self.job)
 
 
-def checkpoint_hook(url: str | os.PathLike[str], rank: int | None = None) -> CheckpointHook:
+def checkpoint_hook(url: str | os.PathLike[str], rank: int | None = None, *, job: str = "main") -> CheckpointHook:
     """The hook that records, on rank 0, that the trainer's checkpoint at `step` is durable
     (`CheckpointHook`: in the background; other ranks: a no-op returning False).
 
     Call it after the trainer's own checkpoint is durable (written, fsynced, renamed). `step` is
     the last step the checkpoint has trained on (the last item's `step`); the id defaults to
-    `step-<step>`. `rank`: see `resolve_rank`.
+    `step-<step>`. `rank`: see `resolve_rank`. `job`: the training job it is a checkpoint of.
     """
     r, _ = resolve_rank(rank)
-    return CheckpointHook(os.fspath(url), r)
+    return CheckpointHook(os.fspath(url), r, job)

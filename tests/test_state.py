@@ -610,3 +610,56 @@ def test_a_rewind_after_a_replay_resumes_each_producer_after_its_skipped_tgbs() 
     assert [k.step.seq for k in s.skipped] == [4, 5]
     s.apply(len(log) + 1, encode_record(RewindRecord(3)))  # to the step before them: a produces them again
     assert s.producers["a"].cursor == 4 and s.producers["b"].cursor is None and s.skipped == []
+
+
+# -- jobs: each its own checkpoints on one stream ------------------------------------------------
+
+
+def test_each_job_keeps_its_own_checkpoints_and_the_watermark_is_the_oldest_of_any() -> None:
+    from lakestream._records import JobRecord
+
+    s = replay([create(keep_checkpoints=2), register("a", 1), commit("a", 1, 0, 10, cursor=10)])
+    log_at = 3
+
+    def put(r: object) -> str | None:
+        nonlocal log_at
+        why = s.apply(log_at, encode_record(r))  # type: ignore[arg-type]
+        log_at += 1
+        return why
+
+    assert put(CheckpointRecord("c", 6)) is None and put(CheckpointRecord("c", 2, job="eval")) is None  # same id
+    assert s.jobs == ["eval"] and s.watermark == 2
+    assert put(CheckpointRecord("d", 1, job="eval")) is not None  # older than eval's newest
+    assert put(CheckpointRecord("d", 4, job="eval")) is None and put(CheckpointRecord("e", 5, job="eval")) is None
+    assert [(c.job, c.id) for c in s.checkpoints] == [("main", "c"), ("eval", "d"), ("eval", "e")]  # eval keeps 2
+    assert s.watermark == 4 and put(ReleaseRecord("c", job="eval")) is not None  # no such checkpoint of eval
+    assert State.from_json(s.to_json()).to_json() == s.to_json()
+    assert put(JobRecord("eval", retire=True)) is None
+    assert s.jobs == [] and [c.id for c in s.checkpoints] == ["c"] and s.watermark == 6
+    assert put(JobRecord("eval", retire=True)) is not None and put(JobRecord("main")) is not None
+    assert put(JobRecord("ablation")) is None and s.jobs == ["ablation"] and put(JobRecord("ablation")) is not None
+    for bad in ({"job": "-x"}, {"job": ""}, {"job": 3}, {"job": "x" * 65}):
+        assert s.apply(log_at, orjson.dumps({"kind": "checkpoint", "id": "z", "step": 7, "ts": 0.0, **bad})) is not None
+        log_at += 1
+    snap = s.to_dict()
+    assert snap["jobs"] == ["ablation"] and State.from_json(s.to_json()).jobs == ["ablation"]
+
+
+@given(st.lists(st.tuples(st.sampled_from(["main", "eval", "abl"]), st.integers(0, 9), st.booleans()), max_size=30))
+def test_jobs_checkpoints_round_trip_and_each_job_keeps_its_newest(ops_: list[tuple]) -> None:
+    from lakestream._records import JobRecord
+
+    log = [create(keep_checkpoints=2), register("a", 1), commit("a", 1, 0, 10, cursor=10)]
+    for i, (job, step, retire) in enumerate(ops_):
+        rec = JobRecord(job, retire=True) if retire and job != "main" else CheckpointRecord(f"c{i}", step, job=job)
+        log.append(encode_record(rec))
+    s = State()
+    for v, rec in enumerate(log):
+        s.apply(v, rec)
+        assert s.check_last_record(rec) is None
+    assert State.from_json(s.to_json()).to_json() == s.to_json()
+    for job in ["main", *s.jobs]:
+        steps = [c.step for c in s.checkpoints_of(job)]
+        assert steps == sorted(steps) and len(steps) <= 2
+    assert s.watermark == min((c.step for c in s.checkpoints), default=-1)
+    assert {c.job for c in s.checkpoints} <= {"main", *s.jobs}
