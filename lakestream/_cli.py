@@ -880,7 +880,7 @@ async def _checkpoint(a: argparse.Namespace) -> int:
     done = await lakestream.checkpoint(a.url, a.id, a.step, job=a.job)
     of = f" of job {a.job}" if a.job != "main" else ""
     if a.json:
-        _print_json({"url": a.url, "id": a.id, "step": a.step, "job": a.job, "recorded": done})
+        _print_json({"url": a.url, "id": a.id, "step": a.step, "recorded": done} | ({"job": a.job} if of else {}))
     else:
         print(_safe(f"checkpoint {a.id}{of} at step {a.step}: {'recorded' if done else 'already recorded'}"))
     return 0
