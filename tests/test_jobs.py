@@ -110,3 +110,23 @@ def test_jobs_on_the_command_line(stream_url: str, tmp_path) -> None:
     run_cli("rewind", url, "--to-checkpoint", "m1", check=True)
     state = orjson.loads(run_cli("status", url, "--json", check=True).stdout)
     assert state["head_step"] == 6 and [j["job"] for j in state["jobs"]] == ["main"]
+
+
+def test_stream_dataset_and_checkpoint_hook_of_a_job(tmp_path) -> None:
+    from lakestream.torch import StreamDataset, checkpoint_hook
+
+    url = f"file://{tmp_path}/s"
+    anyio.run(lambda: lakestream.create(url, world_size=1, global_batch=2))
+    anyio.run(produce, url, "p", 12)
+    items = list(StreamDataset(url, rank=0, world_size=1, stop=4, job="eval"))
+    assert [it["step"] for it in items] == [0, 1, 2, 3]
+    assert checkpoint_hook(url, rank=0, job="eval")(3, wait=True)
+
+    async def look() -> tuple[lakestream.State, int | None]:
+        return await lakestream.load_state(url), await Manifest(lakestream.open_store(url)).read_consumed("eval")
+
+    state, mark = anyio.run(look)
+    assert state.jobs == ["eval"] and [(c.job, c.id) for c in state.checkpoints] == [("eval", "step-3")]
+    assert mark is not None and 2 <= mark <= 3
+    with pytest.raises(ValueError, match="job name"):
+        StreamDataset(url, rank=0, world_size=1, job="no/slash")
