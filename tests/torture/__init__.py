@@ -50,8 +50,8 @@ are exhausted, readers catch up), a final GC, and the checks:
   step was consumed by every reader before the first checkpoint covering it was recorded;
 * no reader failed on a retained step; StepUnavailable only where a rewind discarded a step;
 * after the final GC, the bytes under `segments/` are within 10% of the retained steps' segment
-  bytes (sum of Step.nbytes, with the skipped TGBs GC still keeps); after a log clean-up (in-process gc with lease 0, everything stopped)
-  the whole stream prefix is too.
+  bytes (sum of Step.nbytes, with the skipped TGBs GC still keeps); after a log clean-up
+  (in-process gc with lease 0, everything stopped) the whole stream prefix is too.
 
 Where each part lives:
 

@@ -219,8 +219,9 @@ def check_gap_free_order(run: Run, st: Any) -> list[str]:
             break
     kept, skipped = [k.to_list() for k in st.skipped], [k.to_list() for k, _ in run.skipped]
     if kept != skipped[len(skipped) - len(kept) :]:  # reclaims drop them from the front
+        have = [[k.at, k.step.step] for k in st.skipped][:5]
         fails.append(
-            f"the final state keeps skipped TGBs {[[k.at, k.step.step] for k in st.skipped][:5]}, not the last of the replay's "
+            f"the final state keeps skipped TGBs {have}, not the last of the replay's "
             f"{[[k.at, k.step.step] for k, _ in run.skipped][:5]} (after step, was step)"
         )
     return fails
