@@ -543,7 +543,8 @@ def figures(run: Run, gc_seconds: list[float]) -> None:
     lat = sorted(run.latencies)
     fig: dict[str, Any] = {
         "records": f"{records} source records in {files} files"
-        + (", every one in exactly one step" if not run.failures else ""),
+        + (", every one in exactly one step" if not run.failures else "")
+        + (" or one TGB the replay skipped" if run.skipped and not run.failures else ""),
         "kills": f"{kills} SIGKILLs: producers {c['kills_producer']}, Python readers {c['kills_pyreader']}, "
         f"mount readers {c['kills_mntreader']}, mount daemons {c['kills_mount']}, gc {c['gc_killed']}",
         "restarts": f"producer incarnations {sum(p.incarnations for p in run.producers)} "

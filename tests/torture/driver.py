@@ -183,7 +183,7 @@ class Driver:
         assert seen is not None
         run.rewind_info = {"to_checkpoint": ck.id, "to_step": ck.step, "head_before": head_before,
                            "skip": spec, "replayed_steps": len(seen["new"]), "skipped_tgbs": len(seen["skipped"]),
-                           "attempts": attempts}  # fmt: skip
+                           "attempts": attempts, "failed_but_landed": run.counts["replay_failed_but_landed"]}  # fmt: skip
         run.rewind_version = seen["version"]
         run.last_checkpoint = ck.step
         for r in run.readers:
