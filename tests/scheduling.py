@@ -5,7 +5,8 @@ longer lets it change (pytest-xdist issue 1386): the marks would be ignored with
 groups are named here, by node id, and the controller's scheduler (conftest.py) reads them:
 
 * A group runs on one worker, one test after the other: `ray` holds every test that starts a Ray
-  cluster (one cluster on the machine at a time, and test_fleet's module cluster started once).
+  cluster (one cluster on the machine at a time, and test_fleet's module cluster started once);
+  `torture` holds the two torture runs (each needs the machine's chaos to happen on time).
 * Every other test is a unit of its own, handed to the next idle worker.
 * The longest units start first (FIRST, slowest first, measured), so that none of them is left to
   run alone at the end; the rest follow in collection order. Their tests are marked `slow`
@@ -23,11 +24,13 @@ from xdist.scheduler.loadscope import LoadScopeScheduling
 GROUPS = [
     ("tests/test_fleet.py::", "ray"),
     ("tests/test_metrics.py::test_fleet_serves_one_endpoint_per_actor", "ray"),
+    ("tests/test_torture.py::test_torture", "torture"),  # two at once starve each other's chaos on 2 cores
 ]
 
 #: Units that start first, in this order (node id prefixes or group names): the longest ones.
 FIRST = [
     "ray",
+    "torture",
     "tests/test_torture.py::",
     "tests/test_bench.py::test_e2e_bench_smoke",
     "tests/test_scale_processes.py::test_128_combining_producers",

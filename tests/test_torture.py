@@ -5,7 +5,8 @@ for a long run: `.venv/bin/python tests/torture.py --minutes 10`).
 the mount daemon killed, GC every few seconds, checkpoints, one rewind, injected store faults —
 all at once against the real S3 server — then every source record must be in exactly one step of
 the final history, every reader must have seen the same history, and the bytes left after a final
-GC must match the retained steps. See the harness's docstring (tests/torture/__init__.py) for the
+GC must match the retained steps. The second test makes that rewind a replay (`rewind
+--skip-steps`): a record may then be in one skipped TGB instead, and no producer is fenced. See the harness's docstring (tests/torture/__init__.py) for the
 details, and tests/torture/checker.py for each check.
 
 Below it, fast in-memory reproductions of library bugs the torture test found.
@@ -54,6 +55,23 @@ def test_torture(s3_server, s3_url, tmp_path):  # type: ignore[no-untyped-def]
     reclaimed = int(re.search(r"\((\d+) reclaimed", f["steps"])[1])  # type: ignore[index]
     assert reclaimed > 0, f["steps"]
     assert f["checkpoints"] >= 5
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_torture_with_a_replay(s3_server, s3_url, tmp_path):  # type: ignore[no-untyped-def]
+    """The same, shorter, with the half-way rewind a replay (`rewind --skip-steps`): no producer is
+    fenced, every source record is in one step or in one skipped TGB, the rest replayed in order."""
+    cfg = torture.Config(seconds=30, seed=20241202, rate=10.0, mount=MOUNT, replay=True)
+    report = torture.run(cfg, s3_url, s3_server.env(), tmp_path)
+    print("\n" + report.summary())
+    assert report.ok, "\n".join(report.failures)
+    f = report.figures
+    assert f["rewinds"].startswith("1 ") and "'skip'" in f["rewinds"], f["rewinds"]
+    assert int(f["skipped"].split()[0]) >= 1, f["skipped"]
+    assert int(f["fenced"].split()[0]) == 0, f["fenced"]
+    assert _count(f["kills"], "producers") >= 3, f["kills"]
 
 
 # -- bugs found by the torture test, reproduced in memory --------------------------------------------

@@ -1,7 +1,7 @@
 """Torture test: everything at once, against a real S3 server (SeaweedFS), then check the result.
 
-    .venv/bin/python tests/torture.py --minutes 10 [--seed N] [--keep] [--json FILE]
-    .venv/bin/python -m pytest tests/test_torture.py        # the short version (about a minute)
+    .venv/bin/python tests/torture.py --minutes 10 [--seed N] [--replay] [--keep] [--json FILE]
+    .venv/bin/python -m pytest tests/test_torture.py        # the short versions (a minute or so each)
 
 What runs, concurrently, for the chaos phase:
 
@@ -20,6 +20,12 @@ What runs, concurrently, for the chaos phase:
   with "fenced") and is restarted, resuming from its cursor as of the checkpoint; the Python
   readers notice the rewind themselves (StepUnavailable) and the mount readers are restarted,
   both from the checkpoint's step + 1;
+* or, with `--replay` (`Config.replay`), that rewind is a replay instead: `lakestream rewind
+  --to-checkpoint C --skip-steps A-B[,C-D]`, skipping 1 or 2 ranges of the steps after C (at most a
+  quarter of them each) as the follower sees the head. No producer is fenced (a "fenced" exit is a
+  failure) or moved back: running producers go on. The readers notice it as a rewind, as above. A
+  failed command is run again unless the follower shows its record landed (applied at most once);
+  the skipped TGBs' records are read at once, before GC may delete their segments;
 * injected store faults everywhere: in subprocesses through `LAKESTREAM_FAULTS`
   (`lakestream.testing.inject_faults`: 503-like failures and ambiguous puts) plus a timeout hook
   added by the harness's child wrapper (`torture.py cli ...`, which runs the `lakestream` command
@@ -34,14 +40,18 @@ are exhausted, readers catch up), a final GC, and the checks:
 * every source record is in exactly one step of the final history, with its exact bytes, and each
   producer's records are in source order with the right cursor at every step. The final history is
   the reader-consumed steps below `first_step` (reclaimed by GC) plus the retained steps, read
-  again at the end;
+  again at the end. After a replay, a record may instead be in exactly one TGB it skipped (never
+  both), and the skipped TGBs count in their place in the history for the source order;
+* after a replay, the follower saw the steps after the checkpoint become the old ones but the
+  skipped, in order (the same TGBs at new step numbers), the skipped ones kept as skipped, and no
+  producer's epoch or cursor move;
 * every reader (both ranks, Python reader and mount) consumed every step of the final history, with
   the same (version, producer, samples, bytes) for a given (step, version, rank); each reclaimed
   step was consumed by every reader before the first checkpoint covering it was recorded;
 * no reader failed on a retained step; StepUnavailable only where a rewind discarded a step;
 * after the final GC, the bytes under `segments/` are within 10% of the retained steps' segment
-  bytes (sum of Step.nbytes); after a log clean-up (in-process gc with lease 0, everything stopped)
-  the whole stream prefix is too.
+  bytes (sum of Step.nbytes, with the skipped TGBs GC still keeps); after a log clean-up
+  (in-process gc with lease 0, everything stopped) the whole stream prefix is too.
 
 Where each part lives:
 
@@ -55,7 +65,8 @@ Where each part lives:
   history of the stream, what the readers journaled, counters and failures);
 * `checker.py`: one function per guarantee, named after it (`check_exactly_once`,
   `check_gap_free_order`, `check_atomic_visibility`, `check_rewind_resumes_at_checkpoint`,
-  `check_storage_reclaimed`, ...), and the figures of the report.
+  `check_replay_keeps_the_rest_in_order`, `check_storage_reclaimed`, ...), and the figures of the
+  report.
 """
 
 from __future__ import annotations

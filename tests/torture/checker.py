@@ -7,21 +7,25 @@ Checked while the run goes on, as the journals and the log come in:
   reader, through the mount, or the final read — has the same producer and the same bytes;
 * `check_rewind_resumes_at_checkpoint`: after the rewind the head is the checkpoint's step and
   every producer's committed cursor is its cursor as of that step; `check_resume_after_rewind`:
-  the first incarnation of each producer registered after the rewind resumes there.
+  the first incarnation of each producer registered after the rewind resumes there;
+* `check_replay_keeps_the_rest_in_order` (with `--replay`, instead of those two): right after the
+  replay the steps after the checkpoint are the old ones but the skipped, in order, the same TGBs;
+  the skipped ones are the state's skipped list; no producer's epoch or cursor moved.
 
 Checked at the end (`check_all`, in this order):
 
 * `check_gap_free_order`: the follower saw every step of the final history, and its history agrees
-  with the final state; no log record was rejected;
+  with the final state (and the skipped TGBs it keeps with the replay's); no log record was rejected;
 * `check_sources_finished`: every producer's final cursor is the end of its source;
 * `check_every_reader_consumed_the_final_history`;
 * `check_reclaimed_steps_were_consumed_first`: each step GC reclaimed was consumed by every reader
   before the first checkpoint covering it was recorded;
 * `check_atomic_visibility`: everything a reader consumed is a TGB the log has, from the same
   producer; the mount's `_meta.json` names the TGB the log has;
-* `check_exactly_once`: every source record is in exactly one step, with its bytes;
-* `check_source_order`: each producer's records are in source order, TGB by TGB, with the right
-  cursor at every step;
+* `check_exactly_once`: every source record is in exactly one step, or in one TGB a replay
+  skipped, with its bytes;
+* `check_source_order`: each producer's records are in source order, TGB by TGB (skipped ones in
+  their place), with the right cursor at every step;
 * `check_readers_failed_only_on_discarded_steps`;
 * `check_storage_reclaimed`: after the final GC the segment bytes are those of the retained steps
   (within 10%), and after a log clean-up the whole stream prefix is;
@@ -132,6 +136,46 @@ def check_rewind_resumes_at_checkpoint(run: Run, step: int) -> list[str]:
     return fails
 
 
+def check_replay_keeps_the_rest_in_order(run: Run, step: int, skip: tuple[tuple[int, int], ...]) -> list[str]:
+    """A replay to the checkpoint at `step` skipping `skip` (ranges of steps, inclusive), as the
+    follower applied its record: the steps after `step` are the old ones but the skipped, in
+    order, the same TGBs (segment, producer, epoch, seq, slices, cursor) at new step numbers and
+    the record's version; the skipped steps' TGBs are the state's skipped list, as they were, each
+    after the new step its predecessor became; no producer is fenced and no cursor moves."""
+    seen = run.rewind_seen
+    if seen is None:
+        return ["the follower never saw the replay's rewind record"]
+    if seen["to_step"] != step:
+        return [f"the replay kept the steps up to {seen['to_step']}, not up to the checkpoint's step {step}"]
+    gone = {n for a, b in skip for n in range(a, b + 1)}
+    old, new, skipped = seen["old"], seen["new"], seen["skipped"]
+    fails = []
+    if [e.step for e in old] != list(range(step + 1, step + 1 + len(old))) or not gone <= {e.step for e in old}:
+        fails.append(f"before the replay the follower had steps {[e.step for e in old][:20]}, skipping {sorted(gone)}")
+    want_new, want_skipped = [], []
+    for e in old:
+        if e.step in gone:
+            want_skipped.append([step + len(want_new), e.to_list()])
+        else:
+            want_new.append([step + 1 + len(want_new), seen["version"], *e.to_list()[2:]])
+    got_new = [e.to_list() for e in new]
+    if got_new != want_new:
+        diff = next((i for i, (a, b) in enumerate(zip(got_new, want_new, strict=False)) if a != b), None)
+        fails.append(
+            f"after the replay the steps after {step} are {len(got_new)} TGBs, expected the {len(want_new)} old ones "
+            f"but the skipped, in order (first difference at index {diff}: "
+            f"{got_new[diff][:6] if diff is not None else ''})"
+        )
+    if [k.to_list() for k in skipped] != want_skipped:
+        fails.append(f"after the replay the skipped TGBs are {[[k.at, k.step.step] for k in skipped][:10]}, expected "
+                     f"{[[a, e[0]] for a, e in want_skipped][:10]} (after step, was step; or they differ)")  # fmt: skip
+    before, after = seen["producers_before"], seen["producers_after"]
+    for pid, (epoch, cursor) in before.items():
+        if after.get(pid) != (epoch, cursor):
+            fails.append(f"{pid}: (epoch, cursor) {(epoch, cursor)} before the replay, {after.get(pid)} after it")
+    return fails
+
+
 def registered_before_rewind(run: Run, p: ProducerSlot, m: re.Match[str]) -> bool:
     """Whether this incarnation registered before the rewind landed, by its epoch (the rewind
     raises every producer's epoch); one started while the rewind command ran may have."""
@@ -173,6 +217,13 @@ def check_gap_free_order(run: Run, st: Any) -> list[str]:
         if h is None or h.to_list() != e.to_list():
             fails.append(f"step {e.step}: follower history {h} differs from the final state {e}")
             break
+    kept, skipped = [k.to_list() for k in st.skipped], [k.to_list() for k, _ in run.skipped]
+    if kept != skipped[len(skipped) - len(kept) :]:  # reclaims drop them from the front
+        have = [[k.at, k.step.step] for k in st.skipped][:5]
+        fails.append(
+            f"the final state keeps skipped TGBs {have}, not the last of the replay's "
+            f"{[[k.at, k.step.step] for k, _ in run.skipped][:5]} (after step, was step)"
+        )
     return fails
 
 
@@ -294,15 +345,24 @@ def source_records(run: Run) -> tuple[dict[str, list[Any]], dict[str, list[tuple
     return expected, order
 
 
+def skipped_records(run: Run) -> list[tuple[Any, list[Any]]]:
+    """The TGBs a replay skipped, [(Step as it was, [[key, fields], …] of every rank)], in `at` order."""
+    return [(k.step, [x for rank in sorted(per_rank) for x in per_rank[rank]]) for k, per_rank in run.skipped]
+
+
 def check_exactly_once(run: Run, by_step: dict[int, list[Any]]) -> list[str]:
-    """Exactly once: every source record is in exactly one step of the final history, with its
-    exact bytes, and nothing else is."""
+    """Exactly once: every source record is in exactly one step of the final history or in exactly
+    one TGB a replay skipped (never both), with its exact bytes, and nothing else is."""
     expected, _ = source_records(run)
-    where: dict[str, list[int]] = defaultdict(list)
+    where: dict[str, list[str]] = defaultdict(list)
     got: dict[str, list[Any]] = {}
     for s, records in by_step.items():
         for key, flds in records:
-            where[key].append(s)
+            where[key].append(f"step {s}")
+            got[key] = flds
+    for e, records in skipped_records(run):
+        for key, flds in records:
+            where[key].append(f"skipped step {e.step} (version {e.version})")
             got[key] = flds
     fails = []
     dupes = {k: v for k, v in where.items() if len(v) > 1}
@@ -323,16 +383,23 @@ def check_exactly_once(run: Run, by_step: dict[int, list[Any]]) -> list[str]:
 def check_source_order(run: Run, by_step: dict[int, list[Any]]) -> list[str]:
     """Each producer's records are in source order, TGB by TGB, and each step's committed cursor
     is the position after its last record. A step that packs leftovers holds, for each producer it
-    names, the next records of that producer's source, and its cursor after them."""
+    names, the next records of that producer's source, and its cursor after them. The TGBs a replay
+    skipped count in their place in the history (after their step `at`; `_state._in_order`)."""
+    from lakestream._state import _in_order
+
     _, order = source_records(run)
     owner = {k: pid for pid, seq in order.items() for k, _ in seq}
     pos = dict.fromkeys(order, 0)
     done: set[str] = set()  # producers already failed: one failure each
     fails = []
-    for s in sorted(by_step):
-        e = run.history[s]
+    records = {(run.history[s].step, run.history[s].version): by_step[s] for s in by_step}
+    records.update({(e.step, e.version): r for e, r in skipped_records(run)})
+    history = _in_order([run.history[s] for s in sorted(by_step)], [k for k, _ in run.skipped])
+    skipped = {(k.step.step, k.step.version) for k, _ in run.skipped}
+    for e in history:
+        s = f"{e.step} (skipped by the replay)" if (e.step, e.version) in skipped else str(e.step)
         mine: dict[Any, set[str]] = defaultdict(set)
-        for k, _ in by_step[s]:
+        for k, _ in records[(e.step, e.version)]:
             mine[owner.get(k)].add(k)
         named = dict(e.cursors())
         if not set(mine) <= set(named):
@@ -377,7 +444,7 @@ async def check_storage_reclaimed(run: Run, st: Any) -> list[str]:
     fails = []
     objects = run.list_objects()
     seg_bytes = sum(v for k, v in objects.items() if k.startswith("segments/"))
-    retained = sum(e.nbytes for e in st.steps)
+    retained = sum(e.nbytes for e in st.steps) + sum(k.step.nbytes for k in st.skipped)  # GC keeps skipped TGBs
     run.fig["stored_after_final_gc"] = (
         f"segments {seg_bytes} B vs retained steps' segment bytes {retained} B "
         f"({seg_bytes / retained:.3f}x); whole stream prefix {sum(objects.values())} B in {len(objects)} objects"
@@ -476,7 +543,8 @@ def figures(run: Run, gc_seconds: list[float]) -> None:
     lat = sorted(run.latencies)
     fig: dict[str, Any] = {
         "records": f"{records} source records in {files} files"
-        + (", every one in exactly one step" if not run.failures else ""),
+        + (", every one in exactly one step" if not run.failures else "")
+        + (" or one TGB the replay skipped" if run.skipped and not run.failures else ""),
         "kills": f"{kills} SIGKILLs: producers {c['kills_producer']}, Python readers {c['kills_pyreader']}, "
         f"mount readers {c['kills_mntreader']}, mount daemons {c['kills_mount']}, gc {c['gc_killed']}",
         "restarts": f"producer incarnations {sum(p.incarnations for p in run.producers)} "
@@ -497,6 +565,8 @@ def figures(run: Run, gc_seconds: list[float]) -> None:
         f"log versions {c['deleted_log']}, snapshots {c['deleted_snapshots']} "
         f"(+{c['deleted_log_cleanup']} log versions and snapshots in the final clean-up)",
         "rewinds": f"{1 if run.rewind_info else 0} ({run.rewind_info})",
+        "skipped": f"{len(run.skipped)} TGBs skipped by the replay, "
+        f"{sum(len(r) for _, r in skipped_records(run))} records in them",
         "checkpoints": len(run.checkpoints),
         "reads": ", ".join(f"{r.name} {r.entries}" for r in run.readers),
         "init_retries": c["init_retries"],

@@ -53,6 +53,7 @@ class Config:
     timeout_seconds: float = 1.0
     mount: bool = True
     rewind_at: float = 0.5  # fraction of the chaos phase
+    replay: bool = False  # the rewind skips 1-2 ranges of steps after the checkpoint (`--skip-steps`): a replay
     drain_timeout: float = 900.0  # at most, in all; with back-pressure the drain moves at the trainer's pace
     drain_stall: float = 60.0  # the drain fails once neither the head nor any reader moved for this long
     rewind_notice_timeout: float = 30.0
@@ -152,6 +153,10 @@ class Run:
         # (head, {producer: cursor}) right after the latest rewind record was applied: producers
         # restarted at once may commit before the driver's own refresh after the rewind command
         self.at_rewind: tuple[int, dict[str, Any]] | None = None
+        # the latest rewind record as the follower applied it: to_step, version, the steps after
+        # to_step just before it and just after it, the skipped TGBs, producers before and after
+        self.rewind_seen: dict[str, Any] | None = None
+        self.producers_seen: dict[str, tuple[int, Any]] = {}  # producer -> (epoch, cursor) at the last version
         self.latencies: list[float] = []  # commit record ts - segment upload time
         self.late_commits: list[tuple[int, int, str, float]] = []  # committed later than the orphan grace
         # what the readers journaled: (step, version, rank) -> (digest, samples, producer), as first read
@@ -166,6 +171,8 @@ class Run:
         self.rewind_version: int | None = None
         self.rewind_wall: float | None = None
         self.rewind_mono: float | None = None
+        # a replay's skipped TGBs and their records (read as the replay landed): [(Skipped, {rank: samples})]
+        self.skipped: list[tuple[Any, dict[int, list[Any]]]] = []
         self.final_state: Any = None
         self.chaos = False
         self.abort = False
@@ -270,15 +277,23 @@ class Run:
         if st.rewinds != self.rewinds_seen:
             self.rewinds_seen = st.rewinds
             self.at_rewind = (st.head, {pid: p.cursor for pid, p in st.producers.items()})
-            for s in sorted(self.history):
-                if s < st.first_step:
-                    continue
+            old = {s: e for s, e in self.history.items() if s >= st.first_step}
+            kept = st.head
+            for s in sorted(old):
                 e = st.step(s)
-                if e is None or e.version != self.history[s].version:
-                    self.discarded.add((s, self.history[s].version))
+                if e is None or e.version != old[s].version:  # a replay gives every step after it a new version
+                    kept = min(kept, s - 1)
+                    self.discarded.add((s, old[s].version))
                     del self.history[s]
+            self.rewind_seen = {
+                "to_step": kept, "version": st.version, "old": [old[s] for s in sorted(old) if s > kept],
+                "new": [st.step(s) for s in range(kept + 1, st.head + 1)], "skipped": list(st.skipped),
+                "producers_before": dict(self.producers_seen),
+                "producers_after": {pid: (p.epoch, p.cursor) for pid, p in st.producers.items()},
+            }  # fmt: skip
             for slot in self.readers:
-                slot.frontier = min(slot.frontier, st.head)
+                slot.frontier = min(slot.frontier, kept)
+        self.producers_seen = {pid: (p.epoch, p.cursor) for pid, p in st.producers.items()}
         start = max(st.first_step, max(self.history, default=-1) + 1)
         for s in range(start, st.head + 1):
             e = st.step(s)

@@ -6,7 +6,8 @@ a producer every `producer_kill_every` seconds on average (exponential), a reade
 `reader_kill_every`, the mount daemon every `mount_kill_every` (its first kill between 15% and 45%
 of the phase, so every run has one), and the rewind at `rewind_at` of the phase (or at the first
 checkpoint after it: on a starved machine the readers may not have let the trainer checkpoint by then,
-and the phase runs on, by at most its length again, until the rewind is done). Every random
+and the phase runs on, by at most its length again, until the rewind is done); with `Config.replay`
+that rewind is a replay (`--skip-steps`), to a checkpoint with steps after it. Every random
 choice comes from one `random.Random(seed)`. After the chaos, the drain (producers restarted
 without a rate limit until their sources are exhausted, readers catch up), then `finish` (stop
 everything, a final GC) and the checker.
@@ -31,6 +32,7 @@ from typing import Any
 
 from . import checker
 from .checker import Report
+from .children import sample_fields
 from .context import Config, Run
 from .roles import Gc, Mount, Producers, ProducerSlot, Readers, ReaderSlot
 
@@ -121,6 +123,88 @@ class Driver:
                 p.restart_at = time.monotonic()
             # a running producer must now exit with "fenced": Producers.on_exit checks it
         await anyio.lowlevel.checkpoint()
+
+    def skip_ranges(self, first: int, last: int) -> tuple[tuple[int, int], ...]:
+        """1 or 2 random ranges of steps in first..last (inclusive), rising and disjoint; every
+        step skipped only when there is one."""
+        rng, n = self.run.rng, last - first + 1
+        cuts = sorted(rng.sample(range(first, last + 1), min(n, 2 * rng.randint(1, 2))))
+        ranges = [(cuts[i], cuts[i + 1]) for i in range(0, len(cuts) - 1, 2)] or [(cuts[0], cuts[0])]
+        return tuple((a, min(b, a + max(0, n // 4 - 1))) for a, b in ranges)  # a quarter of them at most each
+
+    async def replay(self) -> bool:
+        """`lakestream rewind --to-checkpoint C --skip-steps …` to a random retained checkpoint with
+        steps after it (False: none yet): a replay. The mount readers are held until the mount shows
+        it; the Python readers are left to notice it; no producer is fenced or moved back. A failed
+        command is run again unless the follower shows that its rewind record landed (at most
+        once: a retry in the same command recognises its own landed record). The skipped TGBs'
+        records are read at once, before a reclaim past them lets GC delete their segments."""
+        import anyio
+
+        import lakestream
+
+        run = self.run
+        st = await run.refresh()
+        cks = [c for c in st.checkpoints if c.step < st.head]
+        if not cks:
+            return False
+        ck = run.rng.choice(cks)
+        head_before, rewinds_before = st.head, st.rewinds
+        skip = self.skip_ranges(ck.step + 1, head_before)
+        spec = ",".join(f"{a}-{b}" for a, b in skip)
+        run.out(f"[{run.now():7.1f}] replay from checkpoint {ck.id} at step {ck.step} (head {head_before}), "
+                f"skipping steps {spec}")  # fmt: skip
+        for r in run.readers:  # as for a rewind: the mount readers stop, the Python readers notice
+            if r.kind == "mnt" and r.state == "running":
+                self.readers.kill(r, count=False, hold=True)
+            elif r.kind == "mnt":
+                r.state = "held"
+        run.rewind_mono = time.monotonic()
+        run.rewind_wall = time.time()
+        attempts = 0
+        while True:
+            attempts += 1
+            rc, text = await run.run_cli(
+                "rewind", run.url, "--to-checkpoint", ck.id, "--skip-steps", spec, name="replay"
+            )
+            st = await run.refresh()
+            applied = st.rewinds - rewinds_before
+            if rc != 0 and applied:
+                run.counts["replay_failed_but_landed"] += 1
+            if rc == 0 or applied or attempts == 10:
+                break
+            run.counts["replay_retries"] += 1
+        if rc == 0 and "replayed" not in text:
+            run.failures.append(f"replay: exit 0 without saying 'replayed'\n{text}")
+        if applied != 1:
+            run.failures.append(f"the replay applied {applied} rewind records in {attempts} attempts\n{text}")
+            run.rewind_version = st.version  # let the held mount readers go on
+            return True
+        seen = run.rewind_seen
+        assert seen is not None
+        run.rewind_info = {"to_checkpoint": ck.id, "to_step": ck.step, "head_before": head_before,
+                           "skip": spec, "replayed_steps": len(seen["new"]), "skipped_tgbs": len(seen["skipped"]),
+                           "attempts": attempts, "failed_but_landed": run.counts["replay_failed_but_landed"]}  # fmt: skip
+        run.rewind_version = seen["version"]
+        run.last_checkpoint = ck.step
+        for r in run.readers:
+            if r.kind == "py" and r.state == "running" and any(s > ck.step for s in r.consumed):
+                r.saw_discarded_at = time.monotonic()  # it must raise StepUnavailable (or be killed first)
+        run.failures.extend(checker.check_replay_keeps_the_rest_in_order(run, ck.step, skip))
+        # the skipped TGBs' records, while their segments exist (GC keeps them until a reclaim passes them)
+        for k in seen["skipped"]:
+            per_rank: dict[int, list[Any]] = {}
+            for rank in range(run.cfg.world_size):
+                try:
+                    async with lakestream.open_reader(run.store, rank, raw=True) as rd:
+                        b = await rd.fetch_slice(k.step)
+                except Exception as e:
+                    run.failures.append(f"reading skipped step {k.step.step} rank {rank}: {type(e).__name__}: {e}")
+                    continue
+                per_rank[rank] = [[x["__key__"], sample_fields(x)] for x in b.samples]
+            run.skipped.append((k, per_rank))
+        await anyio.lowlevel.checkpoint()
+        return True
 
     # -- the schedule ----------------------------------------------------------------------------
 
@@ -244,7 +328,9 @@ class Driver:
                     if run.chaos:
                         self.chaos_tick(schedule)
                         if rewind_time is not None and mono >= rewind_time:
-                            if any(True for _ in run.manifest.state.checkpoints):
+                            if cfg.replay:
+                                rewind_time = None if await self.replay() else mono + 1.0
+                            elif any(True for _ in run.manifest.state.checkpoints):
                                 await self.rewind()
                                 rewind_time = None
                             else:
@@ -401,6 +487,9 @@ def main(argv: list[str] | None = None, *, description: str = "") -> int:
     )
     ap.add_argument("--no-mount", action="store_true")
     ap.add_argument("--no-rewind", action="store_true")
+    ap.add_argument(
+        "--replay", action="store_true", help="the half-way rewind skips 1-2 ranges of steps (--skip-steps): a replay"
+    )
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the work directory even if the run passes")
     ap.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
@@ -410,7 +499,7 @@ def main(argv: list[str] | None = None, *, description: str = "") -> int:
     cfg = Config(
         seconds=seconds, seed=seed, rate=a.rate, orphan_grace=a.orphan_grace, max_steps_ahead=a.max_steps_ahead,
         faults=a.faults, timeout_probability=a.timeouts, mount=not a.no_mount, rewind_at=0 if a.no_rewind else 0.5,
-        snapshot_every=64 if seconds > 120 else 16, policies=tuple(a.policies.split(",")),
+        snapshot_every=64 if seconds > 120 else 16, policies=tuple(a.policies.split(",")), replay=a.replay,
     )  # fmt: skip
     if cfg.mount and not os.access("/dev/fuse", os.R_OK | os.W_OK):
         print("torture: /dev/fuse is not usable: running without the mount", file=sys.stderr)

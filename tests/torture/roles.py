@@ -2,8 +2,8 @@
 journaled. The code that runs inside each process is in `children.py`.
 
 * producers (`ProducerSlot`, `Producers`): `lakestream produce --from-dir`, restarted with the same
-  producer id after a SIGKILL or a "fenced" exit; after the rewind, the first incarnation that
-  registers must resume at the checkpoint's cursor;
+  producer id after a SIGKILL or a "fenced" exit (not after a replay, which fences none); after
+  the rewind, the first incarnation that registers must resume at the checkpoint's cursor;
 * readers (`ReaderSlot`, `Readers`): a Python reader and a mount reader per rank, restarted where
   their journal's frontier ends; the harness tails their journals;
 * the mount daemon (`Mount`): `lakestream mount`, killed and remounted;
@@ -96,6 +96,7 @@ class Producers:
             rc > 0
             and "fenced" in text
             and run.rewind_mono is not None
+            and not run.cfg.replay  # a replay fences no producer
             and (m is None or checker.registered_before_rewind(run, p, m))
         ):
             p.fenced += 1
