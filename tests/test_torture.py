@@ -125,7 +125,8 @@ async def test_reader_survives_two_fetches_that_refresh_at_once() -> None:
                 await r.read_step(step)  # step 2: ValueError: apply: version N does not follow N
 
 
-async def test_rewind_is_applied_once_when_its_put_is_ambiguous() -> None:
+@pytest.mark.parametrize("skip", [(), ((2, 2),)], ids=["rewind", "replay"])
+async def test_rewind_is_applied_once_when_its_put_is_ambiguous(skip: tuple[tuple[int, int], ...]) -> None:
     inner = MemoryStore("rw")
     await lakestream.create(inner, world_size=1, global_batch=1)
     async with lakestream.open_producer(inner, "p") as p:
@@ -141,9 +142,13 @@ async def test_rewind_is_applied_once_when_its_put_is_ambiguous() -> None:
             return calls == 1
         return False
 
-    state = await lakestream.rewind(FaultyStore(inner, ambiguous_put=1.0, only=first_log_put), to_checkpoint="c1")
+    faulty = FaultyStore(inner, ambiguous_put=1.0, only=first_log_put)
+    state = await lakestream.rewind(faulty, to_checkpoint="c1", skip=skip)
     assert state.rewinds == 1  # 2: the retry did not recognise its own landed record
-    assert state.producers["p"].epoch == 2
+    if skip:  # a replay: steps 2 and 3 again but step 2, nobody fenced
+        assert state.head == 2 and [k.step.step for k in state.skipped] == [2] and state.producers["p"].epoch == 1
+    else:
+        assert state.producers["p"].epoch == 2
 
 
 async def test_reader_raises_at_once_when_a_rewind_discards_what_it_read() -> None:
