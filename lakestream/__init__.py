@@ -13,12 +13,13 @@ See docs/ for the guarantees and the commit protocol.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from . import metrics as metrics  # installs the Prometheus recorders into the engine's hooks
+from . import _hooks
 from ._errors import (
     AccessDenied,
     BucketNotFound,
@@ -309,3 +310,19 @@ async def gc(target: Target, **options: Any) -> GcReport:
     lease, progress (a callable (what, done, total) called as deletions go)."""
     async with _store_for(target) as store:
         return await _gc(store, **options)
+
+
+def _load_metrics() -> None:
+    """Import `lakestream.metrics`, which installs the Prometheus recorders into the engine's hooks."""
+    importlib.import_module("lakestream.metrics")
+
+
+# prometheus_client costs a quarter of a second of CPU to import: only a process that records pays it.
+_hooks.install_on_first_use(_load_metrics)
+
+
+def __getattr__(name: str) -> Any:
+    """`lakestream.metrics` without importing it first, as when `import lakestream` imported it."""
+    if name == "metrics":
+        return importlib.import_module("lakestream.metrics")
+    raise AttributeError(f"module 'lakestream' has no attribute {name!r}")

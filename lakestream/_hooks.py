@@ -8,6 +8,7 @@ imports only this module, so measuring never makes the engine depend on what mea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 # The engine's objects are `Any` here: this floor names none of the modules above it, not even for
@@ -23,6 +24,7 @@ __all__ = [
     "ReaderRecorder",
     "gc_done",
     "install",
+    "install_on_first_use",
     "mount",
     "producer",
     "reader",
@@ -109,13 +111,50 @@ class Hooks:
         pass
 
 
-_hooks = Hooks()
+class _OnFirstUse(Hooks):
+    """Hooks that run `load` when the engine first asks for one, which installs the real ones (or
+    does not: then these record nothing), and hand over to them."""
+
+    def __init__(self, load: Callable[[], object]) -> None:
+        self._load = load
+
+    def _installed(self) -> Hooks:
+        if _hooks is self:
+            self._load()
+            if _hooks is self:
+                install(Hooks())
+        return _hooks
+
+    def producer(self, p: Any) -> ProducerRecorder:
+        return self._installed().producer(p)
+
+    def reader(self, r: Any) -> ReaderRecorder:
+        return self._installed().reader(r)
+
+    def mount(self, fs: Any) -> MountRecorder:
+        return self._installed().mount(fs)
+
+    def track_map(self, stream: str, producer_id: str, stats: Any) -> None:
+        self._installed().track_map(stream, producer_id, stats)
+
+    def gc_done(self, report: Any) -> None:
+        self._installed().gc_done(report)
+
+
+_hooks: Hooks = Hooks()
 
 
 def install(hooks: Hooks) -> None:
     """Make `hooks` hand out the recorders of every producer, reader and mount created from now on."""
     global _hooks
     _hooks = hooks
+
+
+def install_on_first_use(load: Callable[[], object]) -> None:
+    """Run `load` (which installs hooks) only when the engine first asks for a recorder: a process
+    that records nothing (most command-line commands) never pays for what measures."""
+    if type(_hooks) is Hooks:  # nothing installed yet
+        install(_OnFirstUse(load))
 
 
 def producer(p: Any) -> ProducerRecorder:

@@ -188,6 +188,29 @@ def test_mount_serves_cache_fetches_and_waiting_lookups(tmp_path: Path) -> None:
         m.stop()
 
 
+def test_prometheus_client_is_imported_only_by_a_process_that_records(tmp_path: Path) -> None:
+    """`import lakestream` and the command line leave prometheus_client (a quarter of a second of CPU)
+    unimported; the first producer imports it and records, as if `lakestream.metrics` had been
+    imported with `lakestream`."""
+    url = f"file://{tmp_path / 's'}"
+    code = (
+        "import sys, anyio, lakestream, lakestream._cli\n"
+        "assert 'prometheus_client' not in sys.modules, 'imported with lakestream'\n"
+        "async def main():\n"
+        "    await lakestream.create(URL, world_size=1, global_batch=4)\n"
+        "    assert 'prometheus_client' not in sys.modules, 'imported by create'\n"
+        "    async with lakestream.open_producer(URL, 'x') as p:\n"
+        "        for i in range(8): await p.put({'v': b'x'})\n"
+        "anyio.run(main)\n"
+        "from prometheus_client import REGISTRY\n"
+        "print(REGISTRY.get_sample_value('lakestream_producer_samples_total', {'stream': URL, 'producer': 'x'}))\n"
+        "print(type(lakestream.metrics.serve).__name__)\n"
+    ).replace("URL", repr(url))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=cli_env())
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["8.0", "function"], r.stdout
+
+
 def test_without_prometheus_client_recording_is_off_and_serving_names_the_extra(tmp_path: Path) -> None:
     """The core runs without the extra (a producer and a reader work); --metrics-port fails in one line."""
     url = f"file://{tmp_path / 's'}"
