@@ -99,6 +99,9 @@ LEADER_PATIENCE = 4.0
 MAX_BACKOFF = 2
 TAKEOVER_SPREAD, SPREAD_MAX = 0.01, 60.0
 STICKY = 30.0
+# Back-pressure holds declared TGBs for seconds at scale (the head at `max_steps_ahead`, with a
+# combiner's beat in the tail hint): only TGBs held this long make their producer read the log.
+CATCH_UP_AFTER = 30.0
 
 
 # Records that leave the rules as they are (`State.rules_digest`).
@@ -793,10 +796,11 @@ class Producer:
     async def _look(self) -> None:
         """Did declared TGBs land? The tail hint says where the log ends (and its beat that a
         combiner holds declared TGBs back); the versions since `_seen` say what landed. No
-        combiner at work for TAKEOVER_AFTER (no group record and no beat, while other records,
-        such as producers finishing, may move the log) makes this producer commit itself, and
-        what the others declared; TGBs declared long ago while a combiner works make it catch up
-        with the whole log once, to learn why (fenced, or sealed for a mix no longer in force)."""
+        combiner at work for a while (`_patience`: no group record, beat or combiner newly named
+        in the hint, while other records, such as producers finishing, may move the log) makes
+        this producer commit itself, and what the others declared; TGBs declared CATCH_UP_AFTER
+        ago while a combiner works make it catch up with the whole log once, to learn why
+        (fenced, or sealed for a mix no longer in force)."""
         tail = await self._read_tail()
         self._moved(tail)
         if tail is not None and tail.version > self._seen:
@@ -817,7 +821,7 @@ class Producer:
         now = self._clock()
         if now - max(oldest, self._moved_at) > self._patience():
             await self._take_over()
-        elif now - max(oldest, self._caught_up_at) > 5 * TAKEOVER_AFTER:
+        elif now - max(oldest, self._caught_up_at) > CATCH_UP_AFTER:
             await self._catch_up()
             for t in self._pending:  # declared again: an intent may have been deleted
                 t.declared_at = None
