@@ -217,6 +217,7 @@ class Producer:
         self._draw = (math.nan, 0.0)  # (`_moved_at`, the random part of the wait for a takeover after it)
         self._backoff = 0  # takeovers in a row that found another combiner at work
         self._wrote = -1  # the log version of the tail hint this producer last wrote as the combiner
+        self._finished = False  # (combining) its finish landed
         self._combining_until = -math.inf  # a combiner that took over stays one until then
         self._leader: tuple[int, bool] = (-1, False)  # (version, whether this producer leads there)
         self._inflight = 0
@@ -622,8 +623,12 @@ class Producer:
         result = await self.manifest.append(decide)
         self._metrics.appended(result)
         self._drop_committed(self.manifest.state)
+        if self.combine:  # it combines no more: its tail hint names none, so another takes over soon
+            self._finished, self._combining_until = True, -math.inf
         if result.version is not None:
-            self._appended(result.version)
+            self._appended(result.version, tail=not self.combine)
+            if self.combine:
+                await self._write_tail()
 
     async def _read_leftover(
         self, pid: str, held: Leftover
@@ -988,6 +993,8 @@ class Producer:
             while True:
                 every = COMBINE_EVERY[0] if self._last_round >= COMBINE_FULL else COMBINE_EVERY[1]
                 await anyio.sleep(every * (0.75 + 0.5 * self._rng.random()))
+                if self._finished:
+                    return
                 if self._leads():
                     await self._combine_round()
                 elif self._clock() < self._combining_until and await self._claimed():
@@ -1025,12 +1032,12 @@ class Producer:
         if result.version is not None:
             self.stats.commits += 1
             self._appended(result.version, tail=False)
-            await self._write_tail(self._beat, leader=True)
+            await self._write_tail(self._beat, leader=not self._finished)
             self._backoff = 0  # it leads
         elif self._clock() - self._beat_at >= BEAT_EVERY:
             # Declared TGBs wait (back-pressure, or not valid): say that a combiner is at work.
             self._beat, self._beat_at = self._beat + 1, self._clock()
-            await self._write_tail(self._beat, leader=True)
+            await self._write_tail(self._beat, leader=not self._finished)
         if took_over or self._clock() < self._combining_until:
             self._combining_until = self._clock() + STICKY
         self._notify()
