@@ -614,3 +614,15 @@ def test_a_combiner_that_stops_is_taken_over_and_commits_go_on(monkeypatch: pyte
         assert (await lakestream.verify(admin)).ok
 
     simulate(monkeypatch, main)
+
+
+def test_a_large_record_is_decoded_once_per_process_and_a_small_or_bad_one_each_time() -> None:
+    big = encode_record(GroupRecord(tuple(intent(f"p{i}", 1, 0) for i in range(64)), 1.0))
+    assert len(big) >= 4096
+    first = decode_record(big)
+    assert decode_record(bytes(bytearray(big))) is first  # the same bytes, read again by another follower
+    assert decode_record(bytearray(big)) == first
+    small = encode_record(intent("a", 1, 0))
+    assert decode_record(small) == decode_record(small) and decode_record(small) is not decode_record(small)
+    with pytest.raises(RecordError):
+        decode_record(big[:-1])
