@@ -56,7 +56,7 @@ import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import anyio
 import orjson
@@ -122,7 +122,9 @@ class Tail(NamedTuple):
     (held by back-pressure) from none; `rules` is `State.rules_digest()` there (-1: not given), so
     that a producer starting from a snapshot knows whether the versions since changed the rules;
     `landed` names, for each producer whose TGBs landed in a version after `since`, the newest
-    such version (`State.landings`), so that it reads that one version to learn what landed."""
+    such version (`State.landings`), so that it reads that one version to learn what landed;
+    `leader` names the combiner at work ("": none named), so that producers whose views started
+    from a snapshot know that one exists and give it time before taking over."""
 
     version: int
     head: int
@@ -130,6 +132,7 @@ class Tail(NamedTuple):
     rules: int = -1
     since: int = -1
     landed: Mapping[str, int] = {}
+    leader: str = ""
 
 
 TAIL_LANDINGS = 64  # versions the tail hint's `landed` covers
@@ -155,7 +158,10 @@ def _tail(data: bytes) -> Tail | None:
         and all(type(v) is int and since < v <= version and PRODUCER_ID.match(k) for k, v in landed.items())
     ):  # fmt: skip
         since, landed = version, {}
-    return Tail(version, head, beat, rules, since, landed)
+    leader = d.get("leader", "")
+    if not (isinstance(leader, str) and (leader == "" or PRODUCER_ID.match(leader))):
+        leader = ""  # not a producer id: none named (producers wait as if none were at work)
+    return Tail(version, head, beat, rules, since, landed, leader)
 
 
 class Manifest:
@@ -530,11 +536,18 @@ class Manifest:
             log.warning("%s: ignoring the unreadable %s: %r", self.url, TAIL_KEY, data[:100])
         return tail
 
-    async def write_tail(self, state: State, beat: int = 0) -> None:
-        """Point the tail hint at `state` (see `Tail`)."""
+    async def write_tail(self, state: State, beat: int = 0, leader: str = "") -> None:
+        """Point the tail hint at `state`, naming `leader` as the combiner at work (see `Tail`)."""
         since, landed = state.landings(TAIL_LANDINGS)
-        hint = {"version": state.version, "head": state.head, "beat": beat, "rules": state.rules_digest()}
-        await self.store.put(TAIL_KEY, orjson.dumps({**hint, "since": since, "landed": landed}))
+        await self.put_tail(Tail(state.version, state.head, beat, state.rules_digest(), since, landed, leader))
+
+    async def put_tail(self, tail: Tail) -> None:
+        """Write `tail` as the tail hint (a combiner taking over names itself in the one it read)."""
+        hint: dict[str, Any] = {"version": tail.version, "head": tail.head, "beat": tail.beat, "rules": tail.rules}
+        hint.update(since=tail.since, landed=dict(tail.landed))
+        if tail.leader:
+            hint["leader"] = tail.leader
+        await self.store.put(TAIL_KEY, orjson.dumps(hint))
         self.requests += 1
 
     async def read_consumed(self, job: str = MAIN_JOB) -> int | None:

@@ -89,8 +89,20 @@ COMBINE_FULL = 4
 LOOK_FIRST, LOOK_EVERY, LOOK_MAX = 0.75, 0.25, 2.0
 COMBINE_SNAPSHOT_EVERY = 64  # versions between a combiner's snapshots (at most the stream's snapshot_every)
 BEAT_EVERY = 1.0  # a combiner that commits nothing while TGBs are declared says so this often
+# A producer takes over when the tail hint stood still for TAKEOVER_AFTER (LEADER_PATIENCE times
+# that while it names another combiner), doubled for each takeover of its own in a row that found
+# another combiner at work (at most 2**MAX_BACKOFF times), plus a random part spread over
+# TAKEOVER_SPREAD per producer in its view (at least TAKEOVER_AFTER, at most SPREAD_MAX): of
+# thousands of producers that see the same silence, one goes first, and names itself in the tail
+# hint at once, before the others' turns come.
 TAKEOVER_AFTER = 2.0
+LEADER_PATIENCE = 4.0
+MAX_BACKOFF = 2
+TAKEOVER_SPREAD, SPREAD_MAX = 0.01, 60.0
 STICKY = 30.0
+# Back-pressure holds declared TGBs for seconds at scale (the head at `max_steps_ahead`, with a
+# combiner's beat in the tail hint): only TGBs held this long make their producer read the log.
+CATCH_UP_AFTER = 30.0
 
 
 # Records that leave the rules as they are (`State.rules_digest`).
@@ -203,6 +215,10 @@ class Producer:
         self._looks = 0  # looks in a row that found none of this producer's TGBs landed
         self._caught_up_at = -math.inf
         self._moved_at = 0.0  # when a combiner was last seen at work (or this producer started waiting)
+        self._draw = (math.nan, 0.0)  # (`_moved_at`, the random part of the wait for a takeover after it)
+        self._backoff = 0  # takeovers in a row that found another combiner at work
+        self._wrote = -1  # the log version of the tail hint this producer last wrote as the combiner
+        self._finished = False  # (combining) its finish landed
         self._combining_until = -math.inf  # a combiner that took over stays one until then
         self._leader: tuple[int, bool] = (-1, False)  # (version, whether this producer leads there)
         self._inflight = 0
@@ -284,6 +300,7 @@ class Producer:
         # With no producer at work in the stream there is no combiner to wait for: one of those
         # registering takes over soon (a random wait spreads those that start together).
         alone = not any(p.token and not p.finished for p in self.manifest.state.producers.values())
+        alone &= self._tail is None or not self._tail.leader  # (a hint naming a combiner: one was at work)
         self._moved_at = self._clock() - (TAKEOVER_AFTER * (1 + self._rng.random()) if alone else 0.0)
         interval = LOOK_FIRST
         while not self._registered_in(self.manifest.state):  # (a takeover follows the log)
@@ -302,13 +319,16 @@ class Producer:
                         "registered; run one process per producer id"
                     ) from None
                 break
-            if self._clock() - self._moved_at > TAKEOVER_AFTER:
-                tail = await self.manifest.read_tail()  # only combining producers write it: one at work?
-                if tail != self._tail:
-                    self._tail, self._moved_at = tail, self._clock()
-                elif self._clock() - self._moved_at > TAKEOVER_AFTER * (1 + self._rng.random()):
+            if (
+                self._clock() - self._moved_at > TAKEOVER_AFTER
+                and not self._moved(await self._read_tail())  # only combining producers write it: one at work?
+                and self._clock() - self._moved_at > self._patience()
+            ):
+                await self._claim()
+                await self._follow_to_tail()
+                if await self._claimed():
                     await self._combine_round(took_over=True)
-                    self._moved_at = self._clock()
+                self._moved_at = self._clock()
         self._registered()
 
     def _registered_in(self, state: State) -> bool:
@@ -604,8 +624,12 @@ class Producer:
         result = await self.manifest.append(decide)
         self._metrics.appended(result)
         self._drop_committed(self.manifest.state)
+        if self.combine:  # it combines no more: its tail hint names none, so another takes over soon
+            self._finished, self._combining_until = True, -math.inf
         if result.version is not None:
-            self._appended(result.version)
+            self._appended(result.version, tail=not self.combine)
+            if self.combine:
+                await self._write_tail()
 
     async def _read_leftover(
         self, pid: str, held: Leftover
@@ -778,15 +802,13 @@ class Producer:
     async def _look(self) -> None:
         """Did declared TGBs land? The tail hint says where the log ends (and its beat that a
         combiner holds declared TGBs back); the versions since `_seen` say what landed. No
-        combiner at work for TAKEOVER_AFTER (no group record and no beat, while other records,
-        such as producers finishing, may move the log) makes this producer commit itself, and
-        what the others declared; TGBs declared long ago while a combiner works make it catch up
-        with the whole log once, to learn why (fenced, or sealed for a mix no longer in force)."""
+        combiner at work for a while (`_patience`: no group record, beat or combiner newly named
+        in the hint, while other records, such as producers finishing, may move the log) makes
+        this producer commit itself, and what the others declared; TGBs declared CATCH_UP_AFTER
+        ago while a combiner works make it catch up with the whole log once, to learn why
+        (fenced, or sealed for a mix no longer in force)."""
         tail = await self._read_tail()
-        now = self._clock()
-        if tail is not None and (self._tail is None or tail[:3] != self._tail[:3]):
-            self._moved_at = now  # a combiner wrote a version (or its beat: it holds TGBs back)
-        self._tail = tail
+        self._moved(tail)
         if tail is not None and tail.version > self._seen:
             view = self.manifest.state
             if tail.version > view.version and tail.rules not in (-1, view.rules_digest()):
@@ -803,9 +825,9 @@ class Producer:
             return
         oldest = min(declared)
         now = self._clock()
-        if now - max(oldest, self._moved_at) > TAKEOVER_AFTER * (1 + self._rng.random()):
+        if now - max(oldest, self._moved_at) > self._patience():
             await self._take_over()
-        elif now - max(oldest, self._caught_up_at) > 5 * TAKEOVER_AFTER:
+        elif now - max(oldest, self._caught_up_at) > CATCH_UP_AFTER:
             await self._catch_up()
             for t in self._pending:  # declared again: an intent may have been deleted
                 t.declared_at = None
@@ -899,15 +921,72 @@ class Producer:
         if waiting:  # raises what committing them would (ProducerFenced, MixChanged, StreamClosed)
             decisions.commit(self.manifest.state, self.id, self.epoch, waiting, 0, self._wall(), self.manifest.url)
 
+    def _moved(self, tail: Tail | None) -> bool:
+        """Take in the tail hint just read: whether it moved (a combiner wrote a version, its beat
+        while it holds TGBs back, or a producer named itself the combiner) since the last one."""
+        moved = tail is not None and (
+            self._tail is None or (*tail[:3], tail.leader) != (*self._tail[:3], self._tail.leader)
+        )
+        if moved:
+            self._moved_at = self._clock()
+        if tail is not None or self._tail is None:
+            self._tail = tail
+        return moved
+
+    def _patience(self) -> float:
+        """How long the tail hint may stand still (since `_moved_at`) before this producer takes
+        over (see TAKEOVER_AFTER). Its random part is drawn once for each time the hint moved."""
+        if self._draw[0] != self._moved_at:
+            self._draw = (self._moved_at, self._rng.random())
+        leader = self._tail.leader if self._tail is not None else ""
+        wait = TAKEOVER_AFTER * (LEADER_PATIENCE if leader not in ("", self.id) else 1.0)
+        spread = min(max(TAKEOVER_AFTER, TAKEOVER_SPREAD * len(self.manifest.state.producers)), SPREAD_MAX)
+        return wait * (1 << min(self._backoff, MAX_BACKOFF)) + spread * self._draw[1]
+
+    async def _claim(self) -> None:
+        """Name this producer the combiner in the tail hint (as it stands, or at this producer's
+        view), before catching up with the log: producers that read it give it time rather than
+        take over too. Best effort: one that does not see it may take over as well."""
+        view = self.manifest.state
+        tail = self._tail
+        if tail is None:
+            tail = Tail(view.version, view.head, 0, view.rules_digest(), view.version, {})
+        try:
+            await self.manifest.put_tail(tail._replace(leader=self.id))
+            self._wrote = tail.version
+        except Exception as e:
+            log.debug("%s: tail hint failed: %s", self.manifest.url, e)
+
+    async def _claimed(self) -> bool:
+        """After `_claim` and a catch-up: whether the tail hint still names no other combiner
+        newer than what this producer wrote (else another took over meanwhile: leave it to it,
+        and wait longer before the next takeover)."""
+        if await self._other_at_work():
+            self._backoff += 1
+            self._combining_until = -math.inf
+            return False
+        return True
+
+    async def _other_at_work(self) -> bool:
+        """Whether the tail hint names another combiner, at a version at least the one this
+        producer last wrote (a tail hint is written after the version, or by a producer taking over)."""
+        tail = await self._read_tail()
+        return tail is not None and tail.leader not in ("", self.id) and tail.version >= self._wrote
+
     async def _take_over(self) -> None:
+        """Claim the combiner's role, catch up, declare again what did not land, and combine
+        unless another producer took over meanwhile."""
+        await self._claim()
         await self._catch_up()
         ready = self._ready()
-        if not any(t.declared_at is not None for t in ready):
-            return  # what was declared landed (the tail hint had not said so yet)
-        for t in self._pending:  # declared again at the first one not committed (intents may be gone)
-            t.declared_at = None
-        await self._declare(ready)
-        await self._combine_round(took_over=True)
+        if any(t.declared_at is not None for t in ready):  # (else it landed, unseen in the tail hint)
+            for t in self._pending:  # declared again at the first one not committed (intents may be gone)
+                t.declared_at = None
+            await self._declare(ready)
+        if await self._claimed():  # named in the hint, it combines (the combiner it replaces stops)
+            await self._combine_round(took_over=True)
+        else:
+            self._moved_at = self._clock()
 
     async def _combining(self) -> None:
         """Combine in the background while this producer leads (or took over lately)."""
@@ -915,8 +994,12 @@ class Producer:
             while True:
                 every = COMBINE_EVERY[0] if self._last_round >= COMBINE_FULL else COMBINE_EVERY[1]
                 await anyio.sleep(every * (0.75 + 0.5 * self._rng.random()))
-                if self._clock() < self._combining_until or self._leads():
+                if self._finished:
+                    return
+                if self._leads():
                     await self._combine_round()
+                elif self._clock() < self._combining_until and await self._claimed():
+                    await self._combine_round()  # (one that took over stops as soon as another is at work)
         except Exception as e:
             self._fail(e)
 
@@ -950,14 +1033,13 @@ class Producer:
         if result.version is not None:
             self.stats.commits += 1
             self._appended(result.version, tail=False)
-            await self._write_tail(self._beat)
+            await self._write_tail(self._beat, leader=not self._finished)
+            self._backoff = 0  # it leads
         elif self._clock() - self._beat_at >= BEAT_EVERY:
             # Declared TGBs wait (back-pressure, or not valid): say that a combiner is at work.
             self._beat, self._beat_at = self._beat + 1, self._clock()
-            await self._write_tail(self._beat)
-        if result.conflicts and not self._leads():
-            self._combining_until = -math.inf  # another combiner is at work: leave it to it
-        elif took_over or self._clock() < self._combining_until:
+            await self._write_tail(self._beat, leader=not self._finished)
+        if took_over or self._clock() < self._combining_until:
             self._combining_until = self._clock() + STICKY
         self._notify()
 
@@ -1125,9 +1207,13 @@ class Producer:
         if version % every == 0:
             self._tg.start_soon(self._snapshot, self.manifest.state.copy())
 
-    async def _write_tail(self, beat: int = 0) -> None:
+    async def _write_tail(self, beat: int = 0, *, leader: bool = False) -> None:
+        """Point the tail hint at this producer's view; `leader`: as the combiner, naming itself
+        (a producer that wrote a version of its own names none)."""
         try:
-            await self.manifest.write_tail(self.manifest.state, beat)
+            await self.manifest.write_tail(self.manifest.state, beat, self.id if leader else "")
+            if leader:
+                self._wrote = self.manifest.state.version
         except Exception as e:  # best effort: a stale tail costs a held producer a log read
             log.debug("%s: tail hint failed: %s", self.manifest.url, e)
 

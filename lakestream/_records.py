@@ -493,13 +493,29 @@ def record_kind(data: bytes) -> str | None:
     return None
 
 
+# The records of the last few large versions decoded in this process, by their bytes: the log
+# followers of one process (a node's ranks, a mount, a simulation's thousands of clients) each
+# read every version, and a group or a step of hundreds of ranks costs far more to decode than
+# to look up. Records are immutable, so one decoded record serves every follower.
+_DECODED: dict[bytes, Record] = {}
+DECODED_MAX, DECODED_MIN_BYTES = 64, 4096
+
+
 def decode_record(data: bytes) -> Record:
     """The typed record stored in `data`. Raises RecordError for anything else."""
+    cache = type(data) is bytes and len(data) >= DECODED_MIN_BYTES
+    if cache and (record := _DECODED.get(data)) is not None:
+        return record
     try:
         r = orjson.loads(data)
     except orjson.JSONDecodeError as e:
         raise RecordError(f"JSONDecodeError: {e}") from None
-    return _decode(r)
+    record = _decode(r)
+    if cache:
+        if len(_DECODED) >= DECODED_MAX:
+            del _DECODED[next(iter(_DECODED))]  # the oldest
+        _DECODED[data] = record
+    return record
 
 
 def _job(f: _Fields, r: dict[str, Any], what: str, *, required: bool = False) -> str:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import random
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
+import anyio.lowlevel
+import anyio.to_thread
 import orjson
 import pytest
 from hypothesis import given, settings
@@ -33,6 +39,7 @@ from lakestream._records import (
     encode_record,
 )
 from lakestream._store import MemoryStore
+from lakestream.testing import SimulatedS3
 
 W = 2
 
@@ -458,3 +465,164 @@ async def test_a_tail_hint_whose_landings_are_not_what_they_should_be_names_none
     assert (tail.since, dict(tail.landed)) == ((2, {"a": 5}) if good else (8, {}))
     await store.put("_lakestream/tail", b'{"version": "8"}')
     assert await m.read_tail() is None
+
+
+@pytest.mark.parametrize("leader", ["p7", "", 7, None, ["p7"], "../p7", "x" * 200])
+async def test_a_tail_hint_names_its_leader_and_one_that_is_not_a_producer_id_names_none(leader: object) -> None:
+    store = MemoryStore()
+    m = Manifest(store)
+    hint = {"version": 8, "head": 3, "beat": 0, "rules": 7, "since": 6, "landed": {"a": 7}, "leader": leader}
+    await store.put("_lakestream/tail", orjson.dumps(hint))
+    tail = await m.read_tail()
+    assert tail is not None and tail[:4] == (8, 3, 0, 7) and dict(tail.landed) == {"a": 7}
+    assert tail.leader == ("p7" if leader == "p7" else "")
+    await m.put_tail(tail)  # written back as read (a producer taking over names itself in it)
+    assert await m.read_tail() == tail
+
+
+# -- many producers on a simulated store and clock (as bench/scale.py runs them) ---------------------
+
+
+def simulate(monkeypatch: pytest.MonkeyPatch, main: Callable[[], Awaitable[None]]) -> None:
+    """Run `main` on trio's mock clock (time passes only in sleeps; work sent to a thread runs
+    inline, taking no simulated time), as bench/scale.py does."""
+    pytest.importorskip("trio")
+    from trio.testing import MockClock
+
+    async def inline(func: Callable[..., Any], *args: Any, **_: Any) -> Any:
+        await anyio.lowlevel.checkpoint()
+        return func(*args)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", inline)
+    anyio.run(main, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)})
+
+
+class Fleet:
+    """`n` combining producers on one simulated bucket, started over `ramp` seconds, each putting
+    a sample every `period` seconds; each can be stopped at once (as if its process died)."""
+
+    def __init__(self, bucket: SimulatedS3, n: int, period: float, ramp: float) -> None:
+        self.bucket, self.n, self.period, self.ramp = bucket, n, period, ramp
+        self.put: Counter[str] = Counter()  # samples put, by producer
+        self.scopes: dict[str, anyio.CancelScope] = {}
+        self.stopping = False
+
+    async def run(self, i: int) -> None:
+        rng = random.Random(i)
+        pid = f"p{i:04d}"
+        with anyio.CancelScope() as self.scopes[pid]:
+            await anyio.sleep(rng.uniform(0, self.ramp))
+            store = self.bucket.client(pid)
+            now = anyio.current_time
+            manifest = Manifest(store, clock=now, retries=None, rng=random.Random(rng.random()))
+            async with lakestream.open_producer(
+                store, pid, combine=True, manifest=manifest, clock=now, wall=lambda: 1e9 + now()
+            ) as p:
+                await anyio.sleep(rng.uniform(0, self.period))
+                while not self.stopping:
+                    await p.put({"__key__": f"{pid}-{self.put[pid]}", "txt": "x"}, cursor=self.put[pid] + 1)
+                    self.put[pid] += 1
+                    await anyio.sleep(self.period)
+
+    def combiners(self) -> set[str]:
+        """The producers that listed the intents (as combiners do every round) so far."""
+        return {label for (label, op, area) in self.bucket.requests if op == "list" and area == "_lakestream/intents/"}
+
+    def lists(self) -> Counter[str]:
+        return Counter(
+            {
+                label: c
+                for (label, op, area), c in self.bucket.requests.items()
+                if (op, area) == ("list", "_lakestream/intents/")
+            }
+        )
+
+
+def test_producers_started_at_once_leave_one_combiner_at_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hundreds of producers start within a second, and checkpoints race the combiner for the
+    log: a few take over at first, then one combiner commits for all (the tail hint names it)
+    and the others wait for it, however long they run."""
+    per_second: list[int] = []
+    # S3's rates for the log's prefix, cut as 4,096 producers' requests would cut them for 256
+    bucket = SimulatedS3(rng=random.Random(1), rates={"_lakestream/": (3500 / 16, 5500 / 16)})
+
+    async def checkpoints() -> None:
+        store = bucket.client("trainer")
+        for i in range(1000):
+            await anyio.sleep(1.0)
+            with contextlib.suppress(lakestream.StepUnavailable):  # (none committed yet)
+                await lakestream.checkpoint(store, f"c{i}", 0)
+
+    async def main() -> None:
+        await lakestream.create(bucket.client("admin"), world_size=1, global_batch=1)
+        fleet = Fleet(bucket, 256, period=25.6, ramp=1.0)  # 10 samples a second in all
+        async with anyio.create_task_group() as tg:
+            for i in range(fleet.n):
+                tg.start_soon(fleet.run, i)
+            tg.start_soon(checkpoints)
+            before = fleet.lists()
+            for _ in range(90):
+                await anyio.sleep(1.0)
+                after = fleet.lists()
+                per_second.append(len([k for k in after if after[k] > before[k]]))
+                before = after
+            fleet.stopping = True
+            tg.cancel_scope.cancel()
+        state = await lakestream.load_state(bucket.client("admin"))
+        assert len(state.producers) == fleet.n
+        assert sum(p.seq + 1 for p in state.producers.values()) >= sum(fleet.put.values()) - 40
+
+    simulate(monkeypatch, main)
+    steady = per_second[20:]  # producers that listed the intents, each second after the start
+    assert max(steady) <= 2 and steady.count(0) <= 2, per_second  # one combiner at work (two while one takes over)
+
+
+def test_a_combiner_that_stops_is_taken_over_and_commits_go_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The combiner the tail hint names dies: another producer takes over within a bounded time
+    (the others give the named one LEADER_PATIENCE times longer first), every sample put by the
+    others lands exactly once, and the hint names the new combiner."""
+    bucket = SimulatedS3(rng=random.Random(2))
+    admin = bucket.client("admin")
+
+    async def main() -> None:
+        await lakestream.create(admin, world_size=1, global_batch=1)
+        fleet = Fleet(bucket, 32, period=3.2, ramp=1.0)
+        async with anyio.create_task_group() as tg:
+            for i in range(fleet.n):
+                tg.start_soon(fleet.run, i)
+            await anyio.sleep(30.0)
+            tail = await Manifest(admin).read_tail()
+            assert tail is not None and tail.leader in fleet.scopes
+            fleet.scopes[tail.leader].cancel()  # the combiner dies
+            dead, died = tail.leader, anyio.current_time()
+            head = (await lakestream.load_state(admin)).head
+            while (await lakestream.load_state(admin)).head == head:
+                await anyio.sleep(0.5)
+            taken_over = anyio.current_time() - died
+            await anyio.sleep(30.0)
+            tail = await Manifest(admin).read_tail()
+            assert tail is not None and tail.leader not in ("", dead)
+            fleet.stopping = True  # the others close: their last samples land
+        bound = producer_module.TAKEOVER_AFTER * (producer_module.LEADER_PATIENCE + 1) + 4 * producer_module.LOOK_MAX
+        assert taken_over <= bound
+        state = await lakestream.load_state(admin)
+        landed = Counter(f"{s.producer}-{seq}" for s in state.steps for seq in [s.seq])  # one sample per step
+        assert all(n == 1 for n in landed.values())
+        for pid, n in fleet.put.items():
+            if pid != dead:
+                assert state.producers[pid].seq == n - 1, pid  # every sample put by the others landed
+        assert (await lakestream.verify(admin)).ok
+
+    simulate(monkeypatch, main)
+
+
+def test_a_large_record_is_decoded_once_per_process_and_a_small_or_bad_one_each_time() -> None:
+    big = encode_record(GroupRecord(tuple(intent(f"p{i}", 1, 0) for i in range(64)), 1.0))
+    assert len(big) >= 4096
+    first = decode_record(big)
+    assert decode_record(bytes(bytearray(big))) is first  # the same bytes, read again by another follower
+    assert decode_record(bytearray(big)) == first
+    small = encode_record(intent("a", 1, 0))
+    assert decode_record(small) == decode_record(small) and decode_record(small) is not decode_record(small)
+    with pytest.raises(RecordError):
+        decode_record(big[:-1])
