@@ -10,6 +10,7 @@ is the decisions' (`_decisions`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Mapping
@@ -513,7 +514,8 @@ def decode_record(data: bytes) -> Record:
     record = _decode(r)
     if cache:
         if len(_DECODED) >= DECODED_MAX:
-            del _DECODED[next(iter(_DECODED))]  # the oldest
+            with contextlib.suppress(RuntimeError, StopIteration):  # another thread changed it meanwhile
+                _DECODED.pop(next(iter(_DECODED)), None)  # the oldest
         _DECODED[data] = record
     return record
 
