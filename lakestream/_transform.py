@@ -176,13 +176,22 @@ def _results(
         pools.append(pool)
         pending: collections.deque[tuple[Sample, Any, concurrent.futures.Future[Any]]] = collections.deque()
         limit = 4 * workers
+        broken: tuple[Sample, Any] | None = None
         try:
             for sample, cursor in records:
-                pending.append((sample, cursor, pool.submit(_call_in_worker, sample)))
+                try:
+                    fut = pool.submit(_call_in_worker, sample)
+                except concurrent.futures.process.BrokenProcessPool:
+                    broken = (sample, cursor)  # a worker died: the record it was mapping is pending (below)
+                    break
+                pending.append((sample, cursor, fut))
                 while len(pending) >= limit:
                     yield _settle(*pending.popleft(), stats)
             while pending:
                 yield _settle(*pending.popleft(), stats)
+            if broken is not None:
+                raise MapError(f"a --map worker process ended abruptly (killed, out of memory, or it exited) "
+                               f"before {_where(*broken)} was given to it")  # fmt: skip
         finally:
             for *_, fut in pending:
                 fut.cancel()

@@ -182,6 +182,29 @@ def test_a_worker_process_that_exits_is_named_with_its_record(tmp_path: Path, se
     assert "internal error" not in lines[0] and "BrokenProcessPool" not in lines[0], describe(r)
 
 
+def test_a_worker_that_exits_before_the_next_record_is_submitted_is_named_with_its_record(
+    setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool breaks while the source is slow to give the next record: submitting it raises
+    BrokenProcessPool, which must not escape; the record the worker was mapping is named."""
+    import time
+
+    from lakestream._transform import MapError
+
+    monkeypatch.setenv("MAP_EXIT_KEY", "s000-0001")
+    monkeypatch.setenv("PYTHONPATH", setup["env"]["PYTHONPATH"])
+
+    def slow(records: Any) -> Any:
+        for i, item in enumerate(records):
+            if i == 2:
+                time.sleep(3)  # the worker has exited by now: the pool is broken
+            yield item
+
+    src = open_source(setup["spec"])
+    with pytest.raises(MapError, match=r"ended abruptly .* while mapping sample 's000-0001'"):
+        list(transform(slow(src.iterate(None)), "mymap:fn", workers=1))
+
+
 def test_map_options_are_checked(tmp_path: Path, setup: dict[str, Any]) -> None:
     url = f"file://{tmp_path}/stream"
     run_cli("init", url, "--world-size", 1, "--global-batch", 4, check=True)
