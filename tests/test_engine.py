@@ -49,9 +49,22 @@ async def read_all(store, rank: int) -> list[lakestream.RankBatch]:
 
 
 async def test_every_sample_once_and_ranks_agree(store) -> None:
+    # All four register before any puts: a producer that ran through its source before the others
+    # registered would be the last to finish, as far as the stream knew, and pack its leftover alone.
+    registered, go = [0], anyio.Event()
+
+    async def one(pid: str) -> None:
+        async with lakestream.open_producer(store, pid) as p:
+            registered[0] += 1
+            if registered[0] == 4:
+                go.set()
+            await go.wait()
+            for i in range(40):
+                await p.put({"__key__": f"{pid}-{i}", "txt": f"{pid} {i}", "arr": np.full(3, i)}, cursor=i + 1)
+
     async with anyio.create_task_group() as tg:
         for k in range(4):
-            tg.start_soon(produce, store, f"p{k}", 40)
+            tg.start_soon(one, f"p{k}")
     state = await lakestream.load_state(store)
     # 6 full TGBs each, then the last to finish packs the 4 x 4 left over: 2 whole global batches and a short last one
     assert state.head == 4 * 6 + 3 - 1
