@@ -508,23 +508,6 @@ class Manifest:
 
     # -- hints: where the log ends, what the trainer consumed ------------------------------------
 
-    async def _small_object(self, key: str, fields: tuple[str, ...]) -> tuple[int, ...] | None:
-        """The integers `fields` of the small JSON object at `key` (a hint anyone could have
-        written: validated, and None with a warning when it is not what it should be)."""
-        data = await self._get(key)
-        self.requests += 1
-        if data is None:
-            return None
-        try:
-            d = orjson.loads(data[:256])
-            values = tuple(d[f] for f in fields)
-        except (ValueError, KeyError, TypeError):
-            values = ()
-        if len(values) != len(fields) or not all(type(v) is int and -1 <= v < 1 << 63 for v in values):
-            log.warning("%s: ignoring the unreadable %s: %r", self.url, key, data[:100])
-            return None
-        return values
-
     async def read_tail(self) -> Tail | None:
         """Where the log ended when its last writer wrote the tail hint, or None (see `Tail`). A
         hint: it may be behind (a slower writer's), never trusted for more than where to look."""
