@@ -13,6 +13,7 @@ See docs/ for the guarantees and the commit protocol.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -45,12 +46,14 @@ from ._lifecycle import checkpoint as _checkpoint
 from ._lifecycle import close as _close
 from ._lifecycle import close_when_done as _close_when_done
 from ._lifecycle import delete as _delete
+from ._lifecycle import fork as _fork
 from ._lifecycle import mix as _mix
 from ._lifecycle import release as _release
 from ._lifecycle import reopen as _reopen
 from ._lifecycle import reshape as _reshape
 from ._lifecycle import retire_job as _retire_job
 from ._lifecycle import rewind as _rewind
+from ._lifecycle import unfork as _unfork
 from ._manifest import Manifest, create_stream
 from ._pacing import BackoffPolicy, CommitPolicy, DacPolicy, EagerPolicy, IntervalPolicy
 from ._pipeline import ProduceReport, produce
@@ -104,6 +107,7 @@ __all__ = [
     "close_when_done",
     "create",
     "delete",
+    "fork",
     "gc",
     "load_state",
     "mix",
@@ -116,6 +120,7 @@ __all__ = [
     "reshape",
     "retire_job",
     "rewind",
+    "unfork",
     "verify",
 ]
 
@@ -192,7 +197,11 @@ async def verify(target: Target, *, progress: Callable[[str, int, int], None] | 
     async with _store_for(target) as store:
         m = Manifest(store)
         state = await m.load()
-        report = await verify_state(store, state, progress=progress)
+        async with contextlib.AsyncExitStack() as stack:
+            base = None
+            if state.base is not None and state.base.epochs:  # a fork: its shared steps are its source's
+                base = await stack.enter_async_context(open_store(state.base.source))
+            report = await verify_state(store, state, progress=progress, base=base)
         report.problems[:0] = m.problems + [p for p in await m.audit_snapshots() if p not in m.problems]
         return report
 
@@ -264,10 +273,29 @@ async def close_when_done(target: Target, *, waiting: Callable[[list[str]], None
 async def delete(target: Target, *, dry_run: bool = False) -> tuple[int, int]:
     """Delete every object of the stream (its log, snapshots and segments); returns (objects,
     bytes) it held. Refuses with StreamInUse while producers of it are live (wrote a record in the
-    last two minutes). A delete cut short leaves a valid, older stream (or none): run it again.
+    last two minutes) or forks read its steps; a fork's source stops keeping steps for it. A delete cut short leaves a valid, older stream (or none): run it again.
     With `dry_run`, only count."""
     async with _store_for(target) as store:
         return await _delete(store, dry_run=dry_run)
+
+
+async def fork(source: Target, target: Target, *, at_step: int) -> State:
+    """Make a stream at `target` whose steps below `at_step` are those of the stream at `source`
+    (referenced, not copied: the source keeps them while the fork reads them, and refuses a rewind
+    or a new global batch that would change them) and whose later steps are its own: its producers
+    resume from the source's cursors at `at_step`, under its own mixture and shape. Running it
+    again finishes one cut short. Raises ConfigMismatch where another stream exists at `target`,
+    StepUnavailable for a step outside the source's first step .. head + 1. Returns the fork's state."""
+    async with _store_for(source) as a, _store_for(target) as b:
+        return await _fork(a, b, at_step=at_step)
+
+
+async def unfork(target: Target) -> State:
+    """Make the fork at `target` a stream of its own: the steps it shares with its source are
+    dropped from it (as reclaimed), and the source no longer keeps them for it. Raises
+    ConfigMismatch if `target` is not a fork. Returns its state."""
+    async with _store_for(target) as store:
+        return await _unfork(store)
 
 
 async def reopen(target: Target) -> State:

@@ -433,9 +433,28 @@ def _parser() -> argparse.ArgumentParser:
     ))  # fmt: skip
     p.add_argument("url", help=url_help)
 
+    p = sub.add_parser("fork", help="make a stream whose steps below a step are another's, by reference", description=(
+        "Make a stream at NEW_URL whose steps below S are those of URL, referenced rather than copied, and whose "
+        "later steps are its own: its producers (same ids, same sources) resume exactly where URL's were at S, "
+        "under its own mixture and shape. URL keeps those steps while the fork reads them (gc on either side is "
+        "safe) and refuses a rewind or a new global batch that would change them. Run it again to finish one cut "
+        "short."
+    ))  # fmt: skip
+    p.add_argument("url", help=url_help)
+    p.add_argument("new_url", help="where the fork goes (no stream there yet; not inside URL)")
+    p.add_argument("--at-step", type=_nonneg, required=True, metavar="S", help="the fork's first step of its own")
+
+    p = sub.add_parser("unfork", help="make a fork a stream of its own: its source stops keeping steps for it",
+                       description=(
+        "Make the fork at URL a stream of its own: the steps it shares with its source leave it (as reclaimed; its "
+        "own steps stay), and its source no longer keeps them for it."
+    ))  # fmt: skip
+    p.add_argument("url", help=url_help)
+
     p = sub.add_parser("delete", help="delete a stream: its log, snapshots and segments", description=(
         "Delete every object of the stream. Refuses while producers of it are live (wrote a record in the last two "
-        "minutes). What a delete cut short leaves is a valid, older stream (or none): run it again to finish."
+        "minutes) or forks read its steps; deleting a fork releases its source's steps. What a delete cut short "
+        "leaves is a valid, older stream (or none): run it again to finish."
     ))  # fmt: skip
     p.add_argument("url", help=url_help)
     p.add_argument("--yes", action="store_true", help="really delete (without it: say what would be deleted)")
@@ -956,6 +975,21 @@ async def _delete(a: argparse.Namespace) -> int:
     return 0
 
 
+async def _fork(a: argparse.Namespace) -> int:
+    state = await lakestream.fork(a.url, a.new_url, at_step=a.at_step)
+    print(
+        f"forked {a.url} at step {a.at_step} to {a.new_url}: steps {state.first_step}..{state.head} are the "
+        f"source's, by reference; its producers continue from step {a.at_step}"
+    )
+    return 0
+
+
+async def _unfork(a: argparse.Namespace) -> int:
+    state = await lakestream.unfork(a.url)
+    print(f"unforked {a.url}: its steps are its own, from step {state.first_step}")
+    return 0
+
+
 async def _close(a: argparse.Namespace) -> int:
     state = await lakestream.close(a.url, after_step=a.after_step)
     now = "" if state.ended else f" (it ends once the head, now step {state.head}, reaches it)"
@@ -1071,6 +1105,12 @@ def status_dict(state: lakestream.State) -> dict[str, Any]:
             for k in state.skipped
         ],  # fmt: skip
         "rejected": [{"version": v, "reason": why} for v, why in state.rejected],
+        "forks": [{"url": f.url, "at_step": f.at_step, "holds_from": f.hold} for f in state.forks],
+        "fork_of": (
+            {"url": state.base.source, "at_step": state.base.at_step, "reads_it": bool(state.base.epochs)}
+            if state.base is not None
+            else None
+        ),
     }
 
 
@@ -1109,6 +1149,15 @@ async def _status(a: argparse.Namespace) -> int:
         print(_safe(
             f"  the held leftovers wait for {', '.join(d['waiting_for'])} to finish (or `lakestream pack {a.url}`)"
         ))  # fmt: skip
+    if (b := d["fork_of"]) is not None:
+        how = "its steps below it are the source's" if b["reads_it"] else "unforked"
+        print(_safe(f"  a fork of {b['url']} at step {b['at_step']}: {how}"))
+    for f in d["forks"]:
+        print(
+            _safe(
+                f"  forked to {f['url']} at step {f['at_step']}: steps {f['holds_from']}..{f['at_step'] - 1} kept for it"
+            )
+        )
     if d["closed_after"] is not None:
         end = "ended" if state.ended else f"ends once the head reaches step {d['closed_after']}"
         print(f"  closed after step {d['closed_after']}: {end}, nothing past it is committed")
@@ -1244,7 +1293,7 @@ def _umount(a: argparse.Namespace) -> int:
 COMMANDS = {
     "init": _init, "produce": _produce, "read": _read, "status": _status, "pack": _pack, "verify": _verify, "demo": _demo,
     "checkpoint": _checkpoint, "release": _release, "rewind": _rewind, "delete": _delete, "job": _job_command, "reshape": _reshape, "mix": _mix, "gc": _gc,
-    "top": _top, "inspect": _inspect, "close": _close, "reopen": _reopen,
+    "top": _top, "inspect": _inspect, "close": _close, "reopen": _reopen, "fork": _fork, "unfork": _unfork,
 }  # fmt: skip
 SYNC_COMMANDS = {"mount": _mount, "umount": _umount, "fleet": _fleet, "dev-s3": _dev_s3}
 

@@ -21,13 +21,16 @@ from ._config import LIMITS, Config
 from ._errors import ConfigMismatch, MixChanged, ProducerFenced, StepUnavailable, StreamClosed
 from ._records import (
     MAIN_JOB,
+    MAX_FORKS,
     MAX_JOBS,
     MAX_STEP,
     CheckpointRecord,
     CloseRecord,
     CommitRecord,
     CreateRecord,
+    DetachRecord,
     FinishRecord,
+    ForkRecord,
     GroupRecord,
     JobRecord,
     MixRecord,
@@ -39,9 +42,11 @@ from ._records import (
     ReshapeRecord,
     RewindRecord,
     TgbRef,
+    UnforkRecord,
     check_job,
     check_skip,
     check_source_name,
+    check_stream_url,
     check_weights,
 )
 from ._state import ProducerState, State
@@ -55,8 +60,10 @@ __all__ = [
     "commit",
     "create",
     "current_incarnation",
+    "detach",
     "drop_source",
     "finish",
+    "fork",
     "job",
     "mix",
     "pack",
@@ -67,6 +74,7 @@ __all__ = [
     "reshape",
     "rewind",
     "room",
+    "unfork",
 ]
 
 UNLIMITED = 1 << 30
@@ -370,7 +378,56 @@ def rewind(
             raise ValueError(f"{url}: {e}") from None
         if skip[-1][1] > state.head:
             raise ValueError(f"{url}: cannot skip step {skip[-1][1]}: the head is step {state.head}")
+    _fork_holds(state, target + 1, "rewind to step {target}", url)
     return RewindRecord(target, now, skip)
+
+
+def _fork_holds(state: State, step: int, what: str, url: str) -> None:
+    """ConfigMismatch if a fork holds `step` (its steps below its fork step are this stream's)."""
+    holding = [f for f in state.forks if f.at_step > step]
+    if holding:
+        names = ", ".join(f"{f.url} (at step {f.at_step})" for f in holding[:3])
+        raise ConfigMismatch(
+            f"{url}: cannot {what}: fork{'s' if len(holding) > 1 else ''} {names} read{'' if len(holding) > 1 else 's'} "
+            f"the steps up to {state.fork_floor - 1}; unfork or delete {'them' if len(holding) > 1 else 'it'} first, "
+            "or fork from the checkpoint instead"
+        )
+
+
+def fork(state: State, url: str, at_step: int, now: float, source: str = "") -> ForkRecord | None:
+    """Record that the stream at `url` forks this one at `at_step`: this stream keeps the steps
+    below it. None if that fork is recorded already. Raises ConfigMismatch for a fork of another
+    step at `url` or a stream that reads a source itself, StepUnavailable for a step outside
+    first step .. head + 1, ValueError for a bad URL or too many forks."""
+    check_stream_url(url)
+    if state.base is not None and state.base.epochs:
+        raise ConfigMismatch(
+            f"{source}: this stream is a fork of {state.base.source} that still reads it: fork that one, or unfork "
+            "this one first"
+        )
+    for f in state.forks:
+        if f.url == url:
+            if f.at_step == at_step:
+                return None
+            raise ConfigMismatch(f"{source}: {url} is a fork of this stream at step {f.at_step}, not {at_step}")
+    if type(at_step) is not int or not state.first_step <= at_step <= state.head + 1:
+        raise StepUnavailable(
+            f"{source}: cannot fork at step {at_step!r}: the steps are {state.first_step}..{state.head} (a fork starts "
+            f"at one of them or after the head)"
+        )
+    if len(state.forks) >= MAX_FORKS:
+        raise ValueError(f"{source}: {MAX_FORKS} forks hold this stream already: unfork one")
+    return ForkRecord(url, at_step, now)
+
+
+def unfork(state: State, url: str, now: float) -> UnforkRecord | None:
+    """The fork at `url` no longer reads this stream; None if it is not (or no longer) a fork."""
+    return UnforkRecord(url, now) if any(f.url == url for f in state.forks) else None
+
+
+def detach(state: State, now: float) -> DetachRecord | None:
+    """A fork stops reading its source; None if it does not."""
+    return DetachRecord(now) if state.base is not None and state.base.epochs else None
 
 
 def close(state: State, after_step: int | None, now: float, url: str = "") -> CloseRecord | None:
@@ -398,8 +455,8 @@ def reopen(state: State, now: float) -> ReopenRecord | None:
 
 
 def reclaim(state: State, now: float) -> ReclaimRecord | None:
-    """Steps below the watermark leave the manifest; None if there are none."""
-    return ReclaimRecord(state.watermark, now) if state.watermark > state.first_step else None
+    """Steps below the watermark (or a fork's hold, if lower) leave the manifest; None if there are none."""
+    return ReclaimRecord(state.reclaimable, now) if state.reclaimable > state.first_step else None
 
 
 def reshape(
@@ -447,6 +504,8 @@ def reshape(
             f"{url}: a new global batch applies from the step after the head ({state.head + 1}) at the latest, "
             f"not from step {change}"
         )
+    if change is not None:
+        _fork_holds(state, change, f"change the global batch from step {change}", url)
     if state.shapes and state.shapes[-1] == (start, world_size, batch):
         return None
     return ReshapeRecord(start, world_size, batch, now)

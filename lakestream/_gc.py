@@ -124,7 +124,7 @@ def plan_log(
 
 @dataclass(frozen=True, slots=True)
 class GcPlan:
-    reclaim_below: int | None  # the watermark, if steps below it are to be reclaimed
+    reclaim_below: int | None  # the watermark (or a fork's hold), if steps below it are to be reclaimed
     segments: SegmentPlan
     log: LogPlan
 
@@ -135,7 +135,7 @@ def plan_gc(
 ) -> GcPlan:  # fmt: skip
     """The whole plan on one state and listing: what a dry run reports (`gc` executes it in
     steps, planning segments again on the state after its reclaim record)."""
-    below = state.watermark if state.watermark > state.first_step else state.first_step
+    below = max(state.reclaimable, state.first_step)
     return GcPlan(
         below if below > state.first_step else None,
         plan_segments(state, segments, below=below, now=now, grace=grace),

@@ -19,16 +19,16 @@ import anyio
 
 from . import _decisions as decisions
 from ._errors import ConfigMismatch, ObjectNotFound, StreamInUse, StreamNotFound
-from ._layout import LOG_PREFIX, SEGMENTS_PREFIX, consumed_key, version_of
+from ._layout import LOG_PREFIX, SEGMENTS_PREFIX, consumed_key, log_key, version_of
 from ._manifest import Manifest
-from ._records import MAIN_JOB, CloseRecord
+from ._records import MAIN_JOB, CloseRecord, CreateRecord, ForkBase, encode_record
 from ._retry import retry
 from ._state import State
-from ._store import ObjectStore
+from ._store import ObjectStore, open_store
 
 __all__ = [
-    "checkpoint", "close", "close_when_done", "delete", "jobs", "mix", "release", "reopen", "reshape", "retire_job",
-    "rewind",
+    "checkpoint", "close", "close_when_done", "delete", "fork", "jobs", "mix", "release", "reopen", "reshape",
+    "retire_job", "rewind", "unfork",
 ]  # fmt: skip
 
 JOB_LIVE = 60.0  # seconds: a job whose consumption mark is older is not live (a rewind does not wait for it)
@@ -260,6 +260,9 @@ async def delete(
         state = await Manifest(store).load()
     except StreamNotFound:
         pass  # what a delete cut short after version 0 left: the rest goes
+    if state is not None and state.forks:
+        names = ", ".join(f.url for f in state.forks[:3]) + (" …" if len(state.forks) > 3 else "")
+        raise StreamInUse(f"{store.url}: forks read its steps ({names}): unfork or delete them first")
     if state is not None and not dry_run:
         now = wall()
         live = sorted(pid for pid, p in state.producers.items()
@@ -269,6 +272,8 @@ async def delete(
                 f"{store.url}: producers {', '.join(live[:5])}{' …' if len(live) > 5 else ''} wrote records in the "
                 f"last {live_within:.0f} s: stop them first (or wait), then delete"
             )
+        if state.base is not None:  # a fork: its source need not keep what it shares with it
+            await _release_fork(state.base.source, store.url, wall)
     sizes = await retry(lambda: store.list_sizes(""))
     if dry_run:
         return len(sizes), sum(sizes.values())
@@ -280,3 +285,57 @@ async def delete(
             batch = keys[i : i + DELETE_BATCH]
             await retry(lambda batch=batch: store.delete(batch))  # type: ignore[misc]
     return len(sizes), sum(sizes.values())
+
+
+async def fork(
+    source: ObjectStore, target: ObjectStore, *, at_step: int, wall: Callable[[], float] = time.time
+) -> State:
+    """Make the stream at `target` a fork of `source` at `at_step`: its steps below `at_step` are
+    the source's, by reference (no byte is copied), and what follows is its own, from producers that
+    resume from the source's cursors there. Returns the fork's state.
+
+    First the source records the fork (from then on it keeps those steps and refuses a rewind or a
+    new global batch that would change them), then the fork's version 0 is written. Running it
+    again after it was cut short finishes it. Raises ConfigMismatch where a stream exists at `target`
+    that is not this fork, or the fork is recorded at another step; StepUnavailable for a step
+    outside the source's first step .. head + 1; ValueError where one URL lies inside the other.
+    """
+    a, b = source.url.rstrip("/") + "/", target.url.rstrip("/") + "/"
+    if a.startswith(b) or b.startswith(a):
+        raise ValueError(f"{target.url}: a fork cannot lie inside its source {source.url} or hold it")
+    m = Manifest(source)
+    await m.load()
+    await m.append(lambda st, _: decisions.fork(st, target.url, at_step, wall(), source.url))
+    state = m.state
+    config = state.config
+    assert config is not None
+    record = CreateRecord(config, wall(), ForkBase(source.url, at_step, state.fork_at(at_step).to_dict()))
+    if not await retry(lambda: target.put_if_absent(log_key(0), encode_record(record))):
+        have = await Manifest(target).load()
+        if have.base is None or (have.base.source, have.base.at_step) != (source.url, at_step):
+            raise ConfigMismatch(f"{target.url}: a stream exists here that is not a fork of {source.url} at {at_step}")
+    return await Manifest(target).load()
+
+
+async def unfork(target: ObjectStore, *, wall: Callable[[], float] = time.time) -> State:
+    """Make the fork at `target` a stream of its own: the steps it shares with its source leave its
+    manifest (as reclaimed), then the source no longer keeps them for it. Returns the fork's state.
+    Running it again after it was cut short finishes it. Raises ConfigMismatch if `target` is not a fork."""
+    m = Manifest(target)
+    state = await m.load()
+    if state.base is None:
+        raise ConfigMismatch(f"{target.url}: not a fork")
+    await m.append(lambda st, _: decisions.detach(st, wall()))
+    await _release_fork(state.base.source, target.url, wall)
+    return m.state
+
+
+async def _release_fork(source_url: str, url: str, wall: Callable[[], float]) -> None:
+    """The source at `source_url` no longer keeps steps for the fork at `url` (nothing if it is gone)."""
+    async with open_store(source_url) as source:
+        m = Manifest(source)
+        try:
+            await m.load()
+        except StreamNotFound:
+            return
+        await m.append(lambda st, _: decisions.unfork(st, url, wall()))

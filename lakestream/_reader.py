@@ -42,7 +42,7 @@ from ._segment import (
     parse_slice,
 )
 from ._state import State, Step
-from ._store import ObjectStore
+from ._store import ObjectStore, open_store
 from ._tasks import cancel_task_group, enter_task_group
 
 __all__ = ["RankBatch", "RawSlice", "Reader"]
@@ -134,6 +134,7 @@ class Reader:
             raise ValueError(f"rank must be a non-negative integer, got {rank!r}")
         self.job = check_job(job)
         self.store = store
+        self._base: ObjectStore | None = None  # a fork's source's store, opened on its first shared step
         self.rank = rank
         self.world_size = world_size
         self._expect = world_size  # the world size the caller asked for (None: whatever each step has)
@@ -212,6 +213,9 @@ class Reader:
         tg, self._tg = self._tg, None
         await cancel_task_group(tg)
         self._fetches.clear()
+        base, self._base = self._base, None
+        if base is not None:
+            await base.aclose()
         if tg is not None and self.publish_consumed:  # where it stopped, for back-pressure and `lakestream job`
             with anyio.move_on_after(PUBLISH_EVERY, shield=True):
                 await self._publish_once()
@@ -549,12 +553,24 @@ class Reader:
             raise
 
     def _where(self, entry: Step, rank: int) -> str:  # `rank`: the stored slice
-        return f"{self.url} step {entry.step} rank {rank} object {entry.segment}"
+        base = self.state.base
+        at = f" of {base.source}" if base is not None and base.holds(entry) else ""
+        return f"{self.url} step {entry.step} rank {rank} object {entry.segment}{at}"
+
+    def _store_of(self, entry: Step) -> ObjectStore:
+        """The store holding `entry`'s segment: a fork's shared steps are its source's."""
+        base = self.state.base
+        if base is None or not base.holds(entry):
+            return self.store
+        if self._base is None or self._base.url != base.source:
+            self._base = open_store(base.source)  # a URL from the store, opened to read segments named alike
+        return self._base
 
     async def _get_slice(self, entry: Step, rank: int) -> bytes:
         r = entry.ranks[rank]
+        store = self._store_of(entry)
         try:
-            data = await retry(lambda: self.store.get_range(entry.segment, r.offset, r.length), attempts=None)
+            data = await retry(lambda: store.get_range(entry.segment, r.offset, r.length), attempts=None)
         except ObjectNotFound:
             await self.manifest.refresh()  # reclaimed or discarded since we looked?
             if self.state.first_step > entry.step or entry.step < self.state.watermark:  # GC on a full store

@@ -30,7 +30,10 @@ __all__ = [
     "CloseRecord",
     "CommitRecord",
     "CreateRecord",
+    "DetachRecord",
     "FinishRecord",
+    "ForkBase",
+    "ForkRecord",
     "GroupRecord",
     "JobRecord",
     "MixRecord",
@@ -44,8 +47,10 @@ __all__ = [
     "Resume",
     "RewindRecord",
     "TgbRef",
+    "UnforkRecord",
     "check_job",
     "check_source_name",
+    "check_stream_url",
     "decode_record",
     "encode_record",
     "record_kind",
@@ -76,16 +81,46 @@ class RecordError(ValueError):
     """Bytes at a log version that are not a well-formed record (a no-op for every reader)."""
 
 
+MAX_URL = 1024  # characters of a stream URL a record names (a fork's source, a source's fork)
+MAX_FORKS = 256  # forks a stream holds steps for at once
+
+
+def check_stream_url(url: Any) -> str:
+    """`url` if it can name a stream in a record (1 to MAX_URL printable characters, no space),
+    else ValueError."""
+    if not (isinstance(url, str) and 0 < len(url) <= MAX_URL and url.isprintable() and " " not in url):
+        raise ValueError(f"stream URL {url!r:.120}: 1 to {MAX_URL} printable characters without spaces")
+    return url
+
+
+@dataclass(frozen=True, slots=True)
+class ForkBase:
+    """What a fork starts from: the stream at `source` as it was below step `at_step`. `state` is
+    that state as a snapshot's members (`State.to_dict`) at version 0: the source's steps below
+    `at_step`, their producers fenced; the state machine checks it as it checks a snapshot."""
+
+    source: str
+    at_step: int
+    state: Mapping[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "at_step": self.at_step, "state": self.state}
+
+
 @dataclass(frozen=True, slots=True)
 class CreateRecord:
-    """Version 0: the stream's shape, fixed for its life."""
+    """Version 0: the stream's shape, fixed for its life. A fork's (`fork`) also holds the steps it
+    shares with its source."""
 
     config: Config
     ts: float = 0.0
+    fork: ForkBase | None = None
     kind: ClassVar[str] = "create"
 
     def members(self) -> dict[str, Any]:
-        return {"config": self.config.to_dict(), "ts": self.ts}
+        return {"config": self.config.to_dict(), "ts": self.ts} | (
+            {"fork": self.fork.to_dict()} if self.fork is not None else {}
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +323,45 @@ class ReopenRecord:
         return {"ts": self.ts}
 
 
+@dataclass(frozen=True, slots=True)
+class ForkRecord:
+    """The stream at `url` is a fork of this one at `at_step`: its steps below `at_step` are this
+    stream's, by reference. Until an `unfork`, this stream keeps them (from its first step then on)
+    and refuses what would discard them."""
+
+    url: str
+    at_step: int
+    ts: float = 0.0
+    kind: ClassVar[str] = "fork"
+
+    def members(self) -> dict[str, Any]:
+        return {"url": self.url, "at_step": self.at_step, "ts": self.ts}
+
+
+@dataclass(frozen=True, slots=True)
+class UnforkRecord:
+    """The fork at `url` no longer reads this stream's steps: what only it kept may be reclaimed."""
+
+    url: str
+    ts: float = 0.0
+    kind: ClassVar[str] = "unfork"
+
+    def members(self) -> dict[str, Any]:
+        return {"url": self.url, "ts": self.ts}
+
+
+@dataclass(frozen=True, slots=True)
+class DetachRecord:
+    """A fork stops reading its source: the steps it shares with it leave its manifest (as a
+    reclaim), and what follows is its own alone."""
+
+    ts: float = 0.0
+    kind: ClassVar[str] = "detach"
+
+    def members(self) -> dict[str, Any]:
+        return {"ts": self.ts}
+
+
 MAX_STEP = 1 << 63  # steps are 64-bit signed integers in records and snapshots
 MAX_SKIP_RANGES = 1024
 
@@ -401,7 +475,8 @@ class GroupRecord:
 
 Record = (
     CreateRecord | RegisterRecord | CommitRecord | CheckpointRecord | ReleaseRecord | ReclaimRecord | RewindRecord
-    | ReshapeRecord | MixRecord | FinishRecord | GroupRecord | CloseRecord | ReopenRecord | JobRecord
+    | ReshapeRecord | MixRecord | FinishRecord | GroupRecord | CloseRecord | ReopenRecord | JobRecord | ForkRecord
+    | UnforkRecord | DetachRecord
 )  # fmt: skip
 
 
@@ -463,7 +538,8 @@ def _tgb(f: _Fields, t: Any) -> TgbRef:
     checksum = t.get("checksum", "crc32")
     f.need(isinstance(checksum, str) and checksum in CHECKSUM_BITS, f"{f.what}: unknown checksum {checksum!r:.40}")
     mix, sources = t.get("mix"), t.get("sources")
-    f.need(mix is None or (type(mix) is int and mix > 0), f"{f.what}: bad mix version {mix!r:.40}")
+    # A fork's mixture in force when it forked has version 0 (its create record's).
+    f.need(mix is None or (type(mix) is int and mix >= 0), f"{f.what}: bad mix version {mix!r:.40}")
     if sources is not None:
         f.need(
             isinstance(sources, list) and 0 < len(sources) <= MAX_SOURCES
@@ -527,6 +603,13 @@ def _job(f: _Fields, r: dict[str, Any], what: str, *, required: bool = False) ->
     return str(job)
 
 
+def _url(f: _Fields, url: Any, what: str) -> str:
+    try:
+        return check_stream_url(url)
+    except ValueError as e:
+        raise RecordError(f"{what}: {e}") from None
+
+
 def _decode(r: Any, *, inner: bool = False) -> Record:
     if not isinstance(r, dict) or not isinstance(r.get("kind"), str):
         raise RecordError("not a record: a JSON object with a string 'kind' is required")
@@ -536,8 +619,16 @@ def _decode(r: Any, *, inner: bool = False) -> Record:
     f = _Fields(r, kind)
     if kind == "create":
         f.need(isinstance(r.get("config"), dict), "create: config must be an object")
+        base = None
+        if "fork" in r:
+            g = r["fork"]
+            f.need(
+                isinstance(g, dict) and isinstance(g.get("state"), dict), "create: fork must be an object with a state"
+            )
+            base = ForkBase(_url(f, g.get("source"), "create: fork"), _Fields(g, "create: fork").int("at_step"),
+                            g["state"])  # fmt: skip
         try:
-            return CreateRecord(Config.from_dict(r["config"]), f.ts())
+            return CreateRecord(Config.from_dict(r["config"]), f.ts(), base)
         except (ValueError, TypeError) as e:
             raise RecordError(f"{type(e).__name__}: {e}") from None
     if kind == "register":
@@ -608,6 +699,13 @@ def _decode(r: Any, *, inner: bool = False) -> Record:
         return CloseRecord(f.int("after_step", -1, why=f"close: bad step {r.get('after_step')!r:.40}"), f.ts())
     if kind == "reopen":
         return ReopenRecord(f.ts())
+    if kind == "fork":
+        return ForkRecord(_url(f, r.get("url"), "fork"), f.int("at_step", why=f"fork: bad step {r.get('at_step')!r:.40}"),
+                          f.ts())  # fmt: skip
+    if kind == "unfork":
+        return UnforkRecord(_url(f, r.get("url"), "unfork"), f.ts())
+    if kind == "detach":
+        return DetachRecord(f.ts())
     if kind == "mix":
         try:
             weights = () if r.get("weights") == [] else check_weights(r.get("weights"))  # [] clears

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import hashlib
 import zlib
 from dataclasses import dataclass, field
@@ -66,13 +67,16 @@ from ._records import (
     CHECKSUM_BITS,
     JOB_NAME,
     MAIN_JOB,
+    MAX_FORKS,
     MAX_JOBS,
     PRODUCER_ID,
     CheckpointRecord,
     CloseRecord,
     CommitRecord,
     CreateRecord,
+    DetachRecord,
     FinishRecord,
+    ForkRecord,
     GroupRecord,
     JobRecord,
     MixRecord,
@@ -86,8 +90,10 @@ from ._records import (
     Resume,
     RewindRecord,
     TgbRef,
+    UnforkRecord,
     _Fields,
     _tgb,
+    check_stream_url,
     check_weights,
     decode_record,
 )
@@ -247,6 +253,35 @@ class Skipped:
         return [self.at, self.step.to_list()]
 
 
+@dataclass(frozen=True, slots=True)
+class Fork:
+    """A fork of this stream (at `url`) whose steps below `at_step` are this stream's: they are
+    kept from step `hold` (the first step when it forked) on until an `unfork`."""
+
+    url: str
+    at_step: int
+    hold: int
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Base:
+    """Where a fork's shared steps live: the stream at `source`, which it forked at `at_step`. A
+    TGB is the source's when its epoch is below `epochs[producer]` (each producer's epoch as the
+    fork fenced it; the fork's own incarnations come after)."""
+
+    source: str
+    at_step: int
+    epochs: dict[str, int]
+
+    def holds(self, s: Step) -> bool:
+        """Whether step entry `s` is a TGB of the source (its segment is in the source's store)."""
+        return s.epoch < self.epochs.get(s.producer, 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "at_step": self.at_step, "epochs": dict(sorted(self.epochs.items()))}
+
+
 @dataclass(slots=True)
 class Checkpoint:
     id: str
@@ -273,6 +308,8 @@ class State:
     closed_after: int | None = None  # the stream ends after this step (a `close` record), if closed
     skipped: list[Skipped] = field(default_factory=list)  # TGBs a replay skipped, rising `at`
     jobs: list[str] = field(default_factory=list)  # the training jobs other than `main` known, sorted
+    forks: list[Fork] = field(default_factory=list)  # the forks holding this stream's steps, by version
+    base: Base | None = None  # a fork's source, until it detaches
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -285,6 +322,17 @@ class State:
     def watermark(self) -> int:
         """The oldest retained checkpoint's step, of any job; -1 with no checkpoint (nothing reclaimable)."""
         return min(c.step for c in self.checkpoints) if self.checkpoints else -1
+
+    @property
+    def reclaimable(self) -> int:
+        """The step below which steps may be reclaimed: the watermark, or lower where a fork holds
+        steps from a lower one; -1 with no checkpoint."""
+        return min([self.watermark] + [f.hold for f in self.forks]) if self.checkpoints else -1
+
+    @property
+    def fork_floor(self) -> int:
+        """The lowest step no rewind or new global batch may change: every fork's steps lie below it."""
+        return max((f.at_step for f in self.forks), default=0)
 
     def shape_at(self, step: int) -> tuple[int, int]:
         """(world size, global batch) of `step`: the newest reshape from `step` or before, else the config's."""
@@ -432,6 +480,9 @@ class State:
         """Is the (well-formed) record valid at `version`? Raises _Reject saying why not."""
         if version == 0 or isinstance(r, CreateRecord):
             _need(version == 0 and isinstance(r, CreateRecord), "version 0 must be a create record")
+            assert isinstance(r, CreateRecord)
+            if r.fork is not None:
+                _forked(r)
             return
         _need(self.config is not None, "stream has no valid create record")
         assert self.config is not None
@@ -468,8 +519,10 @@ class State:
         elif isinstance(r, ReclaimRecord):
             _need(r.below > self.first_step, f"reclaim: steps below {r.below} are already gone")
             _need(r.below <= self.watermark, f"reclaim: step {r.below} is above the watermark {self.watermark}")
+            _need(r.below <= self.reclaimable, f"reclaim: a fork holds the steps from {self.reclaimable}")
         elif isinstance(r, RewindRecord):
             _need(self.first_step - 1 <= r.to_step <= self.head, f"rewind: step {r.to_step} is not retained")
+            _need(r.to_step >= self.fork_floor - 1, f"rewind: a fork holds the steps up to {self.fork_floor - 1}")
             _need(not r.skip or r.skip[-1][1] <= self.head, f"rewind: skips steps after the head {self.head}")
         elif isinstance(r, CloseRecord):
             _need(self.closed_after is None, f"close: the stream is closed already after step {self.closed_after}")
@@ -484,6 +537,22 @@ class State:
             _need(change is None or change <= self.head + 1,
                   f"reshape: it changes the global batch of step {change}; a new global batch applies from at "
                   f"most the step after the head ({self.head + 1})")  # fmt: skip
+            _need(change is None or change >= self.fork_floor,
+                  f"reshape: it changes the global batch of step {change}; a fork holds the steps up to "
+                  f"{self.fork_floor - 1}")  # fmt: skip
+        elif isinstance(r, ForkRecord):
+            _need(self.base is None or not self.base.epochs, "fork: this stream is a fork that reads its source")
+            _need(self.first_step <= r.at_step <= self.head + 1,
+                  f"fork: step {r.at_step} is not from the first step {self.first_step} to the head + 1")  # fmt: skip
+            _need(all(f.url != r.url for f in self.forks), f"fork: {r.url} is a fork already")
+            _need(len(self.forks) < MAX_FORKS, f"fork: {MAX_FORKS} forks already")
+        elif isinstance(r, UnforkRecord):
+            _need(any(f.url == r.url for f in self.forks), f"unfork: {r.url} is not a fork of this stream")
+        elif isinstance(r, DetachRecord):
+            _need(
+                self.base is not None and bool(self.base.epochs),
+                "detach: this stream is not a fork that reads a source",
+            )
 
     def _incarnation(self, kind: str, pid: str, epoch: int) -> ProducerState:
         """The producer a `kind` record of `pid` at `epoch` writes for: registered, that epoch current."""
@@ -593,6 +662,11 @@ class State:
     def _apply(self, version: int, r: Record) -> None:
         """Apply a record already validated at `version`."""
         if isinstance(r, CreateRecord):
+            if r.fork is not None:  # validated: a snapshot's members at version 0
+                base = _state_from_dict(dict(r.fork.state))
+                for name in State.__dataclass_fields__:
+                    setattr(self, name, getattr(base, name))
+                self.base = Base(r.fork.source, r.fork.at_step, {pid: p.epoch for pid, p in self.producers.items()})
             self.config = r.config
         elif isinstance(r, RegisterRecord):
             p = self.producers.setdefault(r.producer, ProducerState())
@@ -658,18 +732,18 @@ class State:
             else:
                 bisect.insort(self.jobs, r.job)
         elif isinstance(r, ReclaimRecord):
-            gone = [k for k in self.skipped if k.at < r.below]
-            for s in _in_order(self.steps[: r.below - self.first_step], gone):
-                for pid, cursor in s.cursors():
-                    self.producers[pid].base_cursor = cursor
-            del self.steps[: r.below - self.first_step]
-            del self.skipped[: len(gone)]
-            self.first_step = r.below
-            # Shapes of reclaimed steps only: keep the one in force at first_step and what follows.
-            while len(self.shapes) > 1 and self.shapes[1][0] <= self.first_step:
-                del self.shapes[0]
-            while len(self.mixes) > 1 and self.mixes[1].from_step <= self.first_step:
-                del self.mixes[0]
+            self._reclaim(r.below)
+        elif isinstance(r, ForkRecord):
+            self.forks.append(Fork(r.url, r.at_step, self.first_step, version))
+        elif isinstance(r, UnforkRecord):
+            self.forks = [f for f in self.forks if f.url != r.url]
+        elif isinstance(r, DetachRecord):
+            assert self.base is not None
+            below = next((s.step for s in self.steps if not self.base.holds(s)), self.head + 1)
+            self.skipped = [k for k in self.skipped if not self.base.holds(k.step)]
+            self.checkpoints = [c for c in self.checkpoints if c.step >= below]
+            self._reclaim(below)
+            self.base = Base(self.base.source, self.base.at_step, {})  # the source is named still: it may hold steps
         elif isinstance(r, RewindRecord):
             if r.skip:
                 self._replay_after(version, r.to_step, r.skip)
@@ -686,6 +760,36 @@ class State:
             self.shapes = [x for x in self.shapes if x[0] < r.from_step] + [(r.from_step, r.world_size, r.global_batch)]
             if change is not None:  # no step keeps a batch other than the one it was sealed for
                 self._discard_after(change - 1)
+
+    def _reclaim(self, below: int) -> None:
+        """Drop the steps below `below` (and the skipped TGBs before them)."""
+        gone = [k for k in self.skipped if k.at < below]
+        for s in _in_order(self.steps[: below - self.first_step], gone):
+            for pid, cursor in s.cursors():
+                self.producers[pid].base_cursor = cursor
+        del self.steps[: below - self.first_step]
+        del self.skipped[: len(gone)]
+        self.first_step = below
+        # Shapes of reclaimed steps only: keep the one in force at first_step and what follows.
+        while len(self.shapes) > 1 and self.shapes[1][0] <= self.first_step:
+            del self.shapes[0]
+        while len(self.mixes) > 1 and self.mixes[1].from_step <= self.first_step:
+            del self.mixes[0]
+
+    def fork_at(self, at_step: int) -> State:
+        """The state a fork of this stream at `at_step` starts from (at version 0): the steps below
+        `at_step`, every producer fenced and resuming from its cursor there, nothing else of this
+        stream's (checkpoints, jobs, forks, held leftovers, the close). Every version it names is 0."""
+        assert (self.base is None or not self.base.epochs) and self.first_step <= at_step <= self.head + 1
+        st = self.copy()
+        st._discard_after(at_step - 1)
+        zero = functools.partial(dataclasses.replace, version=0)
+        st.steps = [zero(s) for s in st.steps]
+        st.skipped = [Skipped(k.at, zero(k.step)) for k in st.skipped]
+        st.mixes = [zero(m) for m in st.mixes]
+        st.version, st.checkpoints, st.rejected, st.jobs, st.forks = 0, [], [], [], []
+        st.closed_after, st.base = None, None
+        return st
 
     def _discard_after(self, to_step: int) -> None:
         """Discard the steps after `to_step` and fence every producer (a rewind)."""
@@ -750,7 +854,7 @@ class State:
             checkpoints=[Checkpoint(c.id, c.step, c.version, c.job) for c in self.checkpoints],
             rewinds=self.rewinds, rejected=list(self.rejected), shapes=list(self.shapes),
             mixes=list(self.mixes), leftovers=dict(self.leftovers), closed_after=self.closed_after,
-            skipped=list(self.skipped), jobs=list(self.jobs),
+            skipped=list(self.skipped), jobs=list(self.jobs), forks=list(self.forks), base=self.base,
         )  # fmt: skip
 
     # -- snapshots -----------------------------------------------------------------------------
@@ -792,6 +896,10 @@ class State:
             | ({"closed_after": self.closed_after} if self.closed_after is not None else {})  # absent unless closed
             | ({"skipped": [k.to_list() for k in self.skipped]} if self.skipped else {})  # absent unless skipped
             | ({"jobs": list(self.jobs)} if self.jobs else {})  # absent while `main` is the only job
+            | ({"forks": [[f.url, f.at_step, f.hold, f.version] for f in self.forks]} if self.forks else {})
+            | (
+                {"base": self.base.to_dict()} if self.base is not None else {}
+            )  # absent unless a fork reading its source
         )
 
     @classmethod
@@ -842,7 +950,16 @@ class State:
         if isinstance(r, GroupRecord):
             return self._check_group(r)
         if isinstance(r, CreateRecord):
-            ok = v == 0 and self.config == r.config and not self.steps
+            ok = v == 0 and self.config == r.config
+            ok = ok and (
+                not self.steps if r.fork is None else self.base is not None and self.head == r.fork.at_step - 1
+            )
+        elif isinstance(r, ForkRecord):
+            ok = any((f.url, f.at_step, f.version) == (r.url, r.at_step, v) for f in self.forks)
+        elif isinstance(r, UnforkRecord):
+            ok = all(f.url != r.url for f in self.forks)
+        elif isinstance(r, DetachRecord):
+            ok = self.base is not None and not self.base.epochs
         elif isinstance(r, RegisterRecord):
             p = self.producers.get(r.producer)
             ok = p is not None and (p.epoch, p.token, p.last_ts) == (r.epoch, r.token, r.ts)
@@ -933,7 +1050,7 @@ def _state_from_dict(d: dict[str, Any]) -> State:
 
     O(steps x world size); messages are only formatted for the field that fails.
     """
-    if d.keys() - {"shapes", "mixes", "leftovers", "closed_after", "skipped", "jobs"} != _STATE_KEYS:
+    if d.keys() - {"shapes", "mixes", "leftovers", "closed_after", "skipped", "jobs", "forks", "base"} != _STATE_KEYS:
         raise _bad(f"members {sorted(d)!r:.200} are not {sorted(_STATE_KEYS)}")
     version, first, rewinds = d["version"], d["first_step"], d["rewinds"]
     for name, v in (("version", version), ("first_step", first), ("rewinds", rewinds)):
@@ -970,7 +1087,7 @@ def _state_from_dict(d: dict[str, Any]) -> State:
     last_seq: dict[str, int] = {}
     shapes = _shapes_from(d.get("shapes", []))
     batch_at = State(config=config, shapes=shapes).batch_at
-    last_version, world = 1, LIMITS["world_size"][1]
+    last_version, world = 0, LIMITS["world_size"][1]  # 0: a fork's steps of its source
     for i, raw in enumerate(d["steps"]):
         n = first + i
         if not (isinstance(raw, list) and len(raw) in (9, 10, 11)):
@@ -1067,9 +1184,64 @@ def _state_from_dict(d: dict[str, Any]) -> State:
     if closed is not None and not (_int(closed, -1) and head <= closed < 1 << 63):
         raise _bad(f"closed_after {closed!r:.40} is not a step from the head {head} on")
     skipped = _skipped_from(d.get("skipped", []), producers, first, head, version)
+    forks = _forks_from(d.get("forks", []), first, head, version)
+    base = _base_from(d["base"], producers) if "base" in d else None
     return State(
         version, config, first, steps, producers, checkpoints, rewinds, rejected, shapes, mixes, leftovers, closed,
-        skipped, jobs,
+        skipped, jobs, forks, base,
+    )  # fmt: skip
+
+
+def _forks_from(raw: Any, first: int, head: int, version: int) -> list[Fork]:
+    """A snapshot's `forks`: [[url, at step, hold, version], …] by rising version, the hold from the
+    first step to the fork's step, which is at most the head + 1."""
+    if not (isinstance(raw, list) and len(raw) <= MAX_FORKS):
+        raise _bad(f"forks is not a list of at most {MAX_FORKS}")
+    out: list[Fork] = []
+    for x in raw:
+        low = out[-1].version if out else 0
+        ok = isinstance(x, list) and len(x) == 4 and all(_int(v) for v in x[1:])
+        ok = ok and first <= x[2] <= x[1] <= head + 1 and low < x[3] <= version and all(f.url != x[0] for f in out)
+        try:
+            check_stream_url(x[0] if ok else None)
+        except ValueError:
+            raise _bad(f"fork {x!r:.200} is not [url, at step, hold, version] after the last") from None
+        out.append(Fork(*x))
+    return out
+
+
+def _base_from(raw: Any, producers: dict[str, ProducerState]) -> Base:
+    """A fork's `base`: {"source": url, "at_step": step, "epochs": {producer: epoch}}, each epoch at
+    most its producer's."""
+    ok = isinstance(raw, dict) and raw.keys() == {"source", "at_step", "epochs"} and _int(raw["at_step"])
+    epochs = raw.get("epochs") if ok else None
+    ok = (
+        ok
+        and isinstance(epochs, dict)
+        and all(pid in producers and _int(e, 1) and e <= producers[pid].epoch for pid, e in epochs.items())
+    )
+    try:
+        check_stream_url(raw["source"] if ok else None)
+    except ValueError:
+        raise _bad(f"base {raw!r:.200} is not a fork's source, step and epochs") from None
+    assert isinstance(epochs, dict)
+    return Base(raw["source"], raw["at_step"], dict(epochs))
+
+
+def _forked(r: CreateRecord) -> None:
+    """A fork's create record: its state is a valid snapshot at version 0 of the steps below its
+    fork step, with the record's config, every producer fenced, and nothing else of its source's."""
+    assert r.fork is not None
+    try:
+        st = _state_from_dict(dict(r.fork.state))
+    except ValueError as e:
+        raise _Reject(f"create: fork: {e}") from None
+    _need(st.version == 0 and st.config == r.config, "create: fork: its state is not at version 0 with its config")
+    _need(st.head == r.fork.at_step - 1, f"create: fork: its state's head {st.head} is not step {r.fork.at_step - 1}")
+    _need(
+        not (st.checkpoints or st.rejected or st.jobs or st.forks or st.leftovers)
+        and st.base is None and st.closed_after is None and all(not p.token for p in st.producers.values()),
+        "create: fork: its state holds more than fenced producers, steps, shapes and mixes",
     )  # fmt: skip
 
 
@@ -1084,7 +1256,7 @@ def _skipped_from(raw: Any, producers: dict[str, ProducerState], first: int, hea
         ok = isinstance(x, list) and len(x) == 2 and _int(x[0], -1) and low <= x[0] <= head
         e: Any = x[1] if ok else None
         ok = ok and isinstance(e, list) and len(e) in (9, 10, 11) and all(_int(v) for v in (e[0], e[1], e[4], e[5]))
-        ok = ok and e[1] < version and e[3] in producers and e[5] <= producers[e[3]].seq
+        ok = ok and (e[1] < version or e[1] == 0) and e[3] in producers and e[5] <= producers[e[3]].seq
         ok = ok and isinstance(e[2], str) and _segment_of(e[2], e[3], e[4], e[5]) and type(e[8]) is float
         ok = ok and isinstance(e[6], list) and 0 < len(e[6]) <= LIMITS["world_size"][1]
         ok = ok and all(type(r) is list and len(r) == 4 and all(_int(v) for v in r) for r in e[6])
@@ -1159,7 +1331,7 @@ def _mixes_from(raw_mixes: Any, version: int) -> list[Mix]:
         raise _bad("mixes is not a list")
     mixes: list[Mix] = []
     for raw in raw_mixes:
-        if not (isinstance(raw, list) and len(raw) == 3 and _int(raw[0]) and _int(raw[1], 1) and raw[1] <= version):
+        if not (isinstance(raw, list) and len(raw) == 3 and _int(raw[0]) and _int(raw[1]) and raw[1] <= version):
             raise _bad(f"mix {raw!r:.100} is not [from step, version, weights]")
         try:
             weights = () if raw[2] == [] else check_weights(raw[2])

@@ -171,10 +171,16 @@ async def _check_log_tail(store: ObjectStore, state: State, report: VerifyReport
 
 
 async def verify_state(
-    store: ObjectStore, state: State, *, concurrency: int = 16, progress: Callable[[str, int, int], None] | None = None
+    store: ObjectStore,
+    state: State,
+    *,
+    concurrency: int = 16,
+    progress: Callable[[str, int, int], None] | None = None,
+    base: ObjectStore | None = None,
 ) -> VerifyReport:
     """Check the manifest's invariants and read back every retained segment; `progress(what, done,
-    total)` is called as segments are checked (the CLI draws a bar with it)."""
+    total)` is called as segments are checked (the CLI draws a bar with it). `base`: a fork's
+    source's store, where the steps it shares with it are read."""
     report = VerifyReport(store.url, state.version, state.first_step, state.head, len(state.steps))
     report.skipped = sum(k.step.samples for k in state.skipped)
     for version, why in state.rejected:
@@ -208,7 +214,10 @@ async def verify_state(
     async def one(s: Step) -> None:
         nonlocal checked
         async with limiter:
-            sources = await _check_step(store, store.url, s, report, keys)
+            at = base if state.base is not None and state.base.holds(s) else store
+            if at is None:
+                raise ValueError(f"{store.url}: verifying a fork takes its source's store (`base`)")
+            sources = await _check_step(at, store.url, s, report, keys)
         if sources is not None:
             _check_shape(state, s, sources, report)
         checked += 1
