@@ -273,7 +273,8 @@ async def close_when_done(target: Target, *, waiting: Callable[[list[str]], None
 async def delete(target: Target, *, dry_run: bool = False) -> tuple[int, int]:
     """Delete every object of the stream (its log, snapshots and segments); returns (objects,
     bytes) it held. Refuses with StreamInUse while producers of it are live (wrote a record in the
-    last two minutes) or forks read its steps; a fork's source stops keeping steps for it. A delete cut short leaves a valid, older stream (or none): run it again.
+    last two minutes), a training job published its consumption mark in the last minute, or forks
+    read its steps; a fork's source stops keeping steps for it. A delete cut short leaves a valid, older stream (or none): run it again.
     With `dry_run`, only count."""
     async with _store_for(target) as store:
         return await _delete(store, dry_run=dry_run)

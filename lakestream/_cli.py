@@ -453,7 +453,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("delete", help="delete a stream: its log, snapshots and segments", description=(
         "Delete every object of the stream. Refuses while producers of it are live (wrote a record in the last two "
-        "minutes) or forks read its steps; deleting a fork releases its source's steps. What a delete cut short "
+        "minutes), a training job read it in the last minute, or forks read its steps; deleting a fork releases its source's steps. What a delete cut short "
         "leaves is a valid, older stream (or none): run it again to finish."
     ))  # fmt: skip
     p.add_argument("url", help=url_help)

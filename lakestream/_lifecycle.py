@@ -249,7 +249,8 @@ async def delete(
     """Delete every object of the stream; (objects, bytes) it held. With `dry_run`, delete nothing.
 
     Refuses (StreamInUse) while a producer that has not finished wrote a record within
-    `live_within` seconds. In this order, so that what is left at any moment (a delete cut short)
+    `live_within` seconds, a training job published its consumption mark within JOB_LIVE seconds,
+    or forks read its steps. In this order, so that what is left at any moment (a delete cut short)
     is a valid stream, an older one, whose segments are all there, and running it again finishes:
     snapshots, hints, intents and everything else outside the log and the segments first, then the
     log from its newest version down to version 0 (the stream is gone then: StreamNotFound), then
@@ -271,6 +272,13 @@ async def delete(
             raise StreamInUse(
                 f"{store.url}: producers {', '.join(live[:5])}{' …' if len(live) > 5 else ''} wrote records in the "
                 f"last {live_within:.0f} s: stop them first (or wait), then delete"
+            )
+        reading = [(j, ts) for j, _, ts in await jobs(store, state) if ts is not None and now - ts < JOB_LIVE]
+        if reading:
+            names = ", ".join(f"{j!r} ({now - ts:.0f} s ago)" for j, ts in reading[:5])
+            raise StreamInUse(
+                f"{store.url}: training jobs read it within the last {JOB_LIVE:.0f} s: {names}; stop their readers "
+                "first (or wait), then delete"
             )
         if state.base is not None:  # a fork: its source need not keep what it shares with it
             await _release_fork(state.base.source, store.url, wall)

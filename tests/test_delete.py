@@ -74,3 +74,23 @@ async def test_delete_refuses_while_a_producer_is_live_and_a_delete_cut_short_le
         assert (await lakestream.verify(store)).ok, "what a delete cut short left is not a valid stream"
         assert state.head <= 9
     assert await store.list("") == []
+
+
+async def test_delete_refuses_while_a_training_job_reads_the_stream() -> None:
+    import time
+
+    from lakestream._lifecycle import delete
+
+    store = MemoryStore()
+    await lakestream.create(store, world_size=1, global_batch=2)
+    async with lakestream.open_producer(store, "p") as p:
+        for i in range(4):
+            await p.put({"__key__": f"k{i}", "txt": b"x"}, cursor=i + 1)
+    async with lakestream.open_reader(store, 0, job="eval") as r:
+        async for _ in r.steps(0, 2):
+            pass
+    with pytest.raises(StreamInUse, match=r"training jobs read it within the last 60 s: 'eval' \("):
+        await lakestream.delete(store)
+    assert await store.list(SEGMENTS_PREFIX)
+    await delete(store, wall=lambda: time.time() + 61)  # a minute later the job is not live
+    assert await store.list("") == []
