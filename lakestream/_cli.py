@@ -507,6 +507,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--nonempty", action="store_true", help="mount over a directory that is not empty (hiding its files)"
     )
+    p.add_argument("--job", type=_job, default=None, metavar="NAME",
+                   help="read as training job NAME: publish its consumption mark (from the steps of rank 0 readers "
+                        "look up), which back-pressure counts while it is live (default: publish none)")  # fmt: skip
     _metrics_options(p)
 
     p = sub.add_parser("top", help="a live view of a stream from its manifest: steps/s, producers, conflicts, "
@@ -1169,7 +1172,7 @@ def _mount(a: argparse.Namespace) -> int:
     _serve_metrics(a)
     mount.run_mount(
         a.url, a.mountpoint, ranks=a.ranks, world_size=a.world_size, prefetch=a.prefetch,
-        cache_size=a.cache_size, wait=a.wait, nonempty=a.nonempty,
+        cache_size=a.cache_size, wait=a.wait, nonempty=a.nonempty, job=a.job,
     )  # fmt: skip
     return 0
 

@@ -1,6 +1,6 @@
 """The FUSE filesystem: each mounted rank's committed steps as read-only directories.
 
-    MOUNTPOINT/_status.json                        head step, version, producers, lag, closed_after
+    MOUNTPOINT/_status.json                        head step, version, producers, lag, closed_after, job
     MOUNTPOINT/rank-<r>/latest -> <step:012d>      the newest committed step
     MOUNTPOINT/rank-<r>/END                        {"closed_after": E} once the stream ended after step E
     MOUNTPOINT/rank-<r>/<step:012d>/<key>.<field>  one file per sample field
@@ -569,6 +569,7 @@ class LakeFS(pyfuse3.Operations):
         if s.rewinds != self._rewinds or s.first_step != self._first_step or s.shapes != self._shapes:
             if s.rewinds != self._rewinds:
                 log.warning("rewind to step %d: discarded steps forgotten", s.head)
+                self.reader.consumed = min(self.reader.consumed, s.head)  # the trainer resumes from a checkpoint
             if s.shapes != self._shapes:
                 log.warning("reshaped: steps from %d on are read as %d ranks", s.shapes[-1][0], s.shapes[-1][1])
                 for r in range(self._widest_seen):  # rank directories no longer shown
@@ -674,6 +675,13 @@ class LakeFS(pyfuse3.Operations):
             self.metrics.waited(time.monotonic() - started)
         return step >= self.state.first_step
 
+    def _looked_up(self, step: int) -> None:
+        """A reader asked for rank 0's `step`: it consumed the step before (the consumption mark the
+        reader publishes for the mount's job, if any). Only a step up to the next one counts, so
+        that a lookup far ahead (a typo, a script) cannot lift back-pressure."""
+        if self.reader.publish_consumed and step <= self.state.head + 1:
+            self.reader.consumed = max(self.reader.consumed, step - 1)
+
     def _past_end(self, step: int) -> bool:
         """Whether the stream is closed before `step`: it will never be committed."""
         closed = self.state.closed_after
@@ -734,6 +742,7 @@ class LakeFS(pyfuse3.Operations):
         return orjson.dumps(
             {
                 "url": self.reader.url,
+                "job": self.reader.job if self.reader.publish_consumed else None,  # whose mark it publishes
                 "head_step": s.head,
                 "first_step": s.first_step,
                 "version": s.version,
@@ -839,6 +848,8 @@ class LakeFS(pyfuse3.Operations):
         step = step_of_name(name)
         if step is None or step < s.first_step or not self._has(r, step):
             raise pyfuse3.FUSEError(errno.ENOENT)
+        if r == 0:
+            self._looked_up(step)
         entry = s.step(step)
         if entry is not None:
             return self._ref(self.inodes.get("step", r, step, entry, s.world_at(step)))
