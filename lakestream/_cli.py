@@ -516,9 +516,9 @@ def _parser() -> argparse.ArgumentParser:
                        "watermark", description=(
         "Show the stream from its manifest alone (reads only: anyone who can read the stream can run it): the "
         "head step and steps/s, the producers with their last commit, pace and lost races, the commit conflict "
-        "rate, the TGB size, the checkpoint watermark and how far producers run ahead of it, back-pressure and "
-        "GC. Rates are over each --interval. --once --json prints one JSON object (docs/observability.md lists "
-        "its members)."
+        "rate, the TGB size, the checkpoint watermark and how far producers run ahead of it, back-pressure, "
+        "GC, and the training jobs with their lag once there is more than main. Rates are over each --interval. "
+        "--once --json prints one JSON object (docs/observability.md lists its members)."
     ))  # fmt: skip
     p.add_argument("url", help=url_help)
     p.add_argument("--interval", type=float, default=2.0, metavar="SECONDS", help="seconds between two looks")

@@ -38,6 +38,9 @@ Theory of operation.
 - The end. Once the stream is closed after step E (a `close` record), a step past E never comes:
   its lookup answers ENOENT at once, and a wait for one ends with ENOENT when the close record
   arrives. Once the head reached E, each rank directory holds `END`; a `reopen` record removes it.
+- Marks. With a job (`lakestream mount --job`), the reader publishes that job's consumption mark,
+  which a lookup of rank 0's step n moves to n - 1 (`_looked_up`): only up to the step after the
+  head, and a rewind brings it down to the new head.
 - Signals. Once a request reaches us the kernel waits for our answer whatever signal its caller
   gets; it sends FUSE_INTERRUPT, but pyfuse3 does not deliver that. So a waiting request looks,
   every `INTERRUPT_POLL` seconds, at whether its caller's thread has a signal pending that it does
