@@ -526,15 +526,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--nonempty", action="store_true", help="mount over a directory that is not empty (hiding its files)"
     )
+    p.add_argument("--job", type=_job, default=None, metavar="NAME",
+                   help="read as training job NAME: publish its consumption mark (from the steps of rank 0 readers "
+                        "look up), which back-pressure counts while it is live (default: publish none)")  # fmt: skip
     _metrics_options(p)
 
     p = sub.add_parser("top", help="a live view of a stream from its manifest: steps/s, producers, conflicts, "
                        "watermark", description=(
         "Show the stream from its manifest alone (reads only: anyone who can read the stream can run it): the "
         "head step and steps/s, the producers with their last commit, pace and lost races, the commit conflict "
-        "rate, the TGB size, the checkpoint watermark and how far producers run ahead of it, back-pressure and "
-        "GC. Rates are over each --interval. --once --json prints one JSON object (docs/observability.md lists "
-        "its members)."
+        "rate, the TGB size, the checkpoint watermark and how far producers run ahead of it, back-pressure, "
+        "GC, and the training jobs with their lag once there is more than main. Rates are over each --interval. "
+        "--once --json prints one JSON object (docs/observability.md lists its members)."
     ))  # fmt: skip
     p.add_argument("url", help=url_help)
     p.add_argument("--interval", type=float, default=2.0, metavar="SECONDS", help="seconds between two looks")
@@ -1218,7 +1221,7 @@ def _mount(a: argparse.Namespace) -> int:
     _serve_metrics(a)
     mount.run_mount(
         a.url, a.mountpoint, ranks=a.ranks, world_size=a.world_size, prefetch=a.prefetch,
-        cache_size=a.cache_size, wait=a.wait, nonempty=a.nonempty,
+        cache_size=a.cache_size, wait=a.wait, nonempty=a.nonempty, job=a.job,
     )  # fmt: skip
     return 0
 

@@ -6,6 +6,9 @@ watch it, without any agent: `view(before, after, seconds, now)` turns two manif
 its members), and `render` draws that dict with rich. The view is a pure function of the two
 states, tested without a terminal.
 
+The jobs reading the stream come with their lag: `view` takes the consumption marks `run_top` read
+(one small GET per job, beside the manifest) as `marks`.
+
 Rates are over the interval between the two states: steps/s from the TGBs the producers' records
 count (so a rewind does not make it negative), commits/s from their commit counts. The conflict
 rate is how DAC estimates the loss probability of a put: the races lost by the latest commit of
@@ -17,13 +20,14 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import anyio
 
 from ._manifest import Manifest
+from ._records import MAIN_JOB
 from ._state import State
 from ._store import open_store
 from ._text import safe
@@ -38,9 +42,17 @@ def _rate(delta: float, seconds: float) -> float:
     return round(delta / seconds, 3) if seconds > 0 else 0.0
 
 
-def view(before: State, after: State, seconds: float, now: float, url: str = "") -> dict[str, Any]:
+def view(
+    before: State,
+    after: State,
+    seconds: float,
+    now: float,
+    url: str = "",
+    marks: Mapping[str, tuple[int, float] | None] | None = None,
+) -> dict[str, Any]:
     """What `top` shows: `after` (the newer state) with the rates since `before`, taken `seconds`
-    earlier; `now` is the wall-clock time of `after` (producers' record times are wall-clock)."""
+    earlier; `now` is the wall-clock time of `after` (producers' record times and marks are
+    wall-clock). `marks`: (step, time) of each job's consumption mark, by job (absent or None: no mark)."""
     cfg = after.config
     window = max(ACTIVE_WINDOW, 3 * seconds)
     producers: list[dict[str, Any]] = []
@@ -112,6 +124,17 @@ def view(before: State, after: State, seconds: float, now: float, url: str = "")
             "retained_steps": len(after.steps),
         },
         "rewinds": after.rewinds,
+        "jobs": [_job(job, (marks or {}).get(job), after.head, now) for job in [MAIN_JOB, *after.jobs]],
+    }
+
+
+def _job(job: str, mark: tuple[int, float] | None, head: int, now: float) -> dict[str, Any]:
+    step, ts = mark if mark is not None else (None, None)
+    return {
+        "job": job,
+        "consumed": step,
+        "lag": None if step is None else head - step,
+        "mark_age_seconds": None if ts is None else round(now - ts, 3),
     }
 
 
@@ -139,8 +162,9 @@ def _bytes(n: float | None) -> str:
 
 
 def render(v: dict[str, Any]) -> Any:
-    """The view as a rich renderable: the stream's figures, then one row per producer. Strings of the view
-    are shown as text, never as rich markup, with what a terminal would interpret escaped (`safe`)."""
+    """The view as a rich renderable: the stream's figures, one row per producer, then (once there is more
+    than `main`) one row per job. Strings of the view are shown as text, never as rich markup, with what
+    a terminal would interpret escaped (`safe`)."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -178,7 +202,18 @@ def render(v: dict[str, Any]) -> Any:
             Text(safe(p["id"])), str(p["epoch"]), _age(p["last_commit_age_seconds"]), f"{p['steps_per_second']:.2f}",
             pace, per, str(p["lost_races_last_commit"]), style=style,
         )  # fmt: skip
-    return Group(head, table)
+    if len(v["jobs"]) <= 1:  # `main` alone: the watermark and back-pressure lines say it
+        return Group(head, table)
+    jobs = Table(expand=False)
+    for col in ("job", "consumed", "steps behind head", "mark"):
+        jobs.add_column(col, justify="left" if col == "job" else "right")
+    for j in v["jobs"]:
+        none = j["consumed"] is None
+        jobs.add_row(
+            Text(safe(j["job"])), "-" if none else str(j["consumed"]), "-" if none else str(j["lag"]),
+            _age(j["mark_age_seconds"]),
+        )  # fmt: skip
+    return Group(head, table, jobs)
 
 
 # -- the command ---------------------------------------------------------------------------------------
@@ -205,7 +240,8 @@ async def run_top(url: str, *, interval: float = 2.0, once: bool = False, as_jso
                 await m.refresh()
                 now = time.monotonic()
                 after = m.state.copy()
-                v = view(before, after, now - t0, time.time(), store.url)
+                marks = {job: await m.read_mark(job) for job in [MAIN_JOB, *after.jobs]}
+                v = view(before, after, now - t0, time.time(), store.url, marks)
                 if as_json:
                     sys.stdout.write(orjson.dumps(v).decode() + "\n")
                     sys.stdout.flush()

@@ -561,6 +561,9 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
     With `collate`, a field the mount serves as `_batch/<field>.npy` (`_meta.json`'s "batch": the
     producer stored it as one block) is read with one open and one read, and any other field whose
     files are `.npy` of one dtype and shape for every sample straight into one array (`read_columns`). Options and `state_dict` semantics as for `StreamDataset`.
+    `job`: the training job it reads as. The mount publishes that job's consumption mark
+    (`lakestream mount --job NAME`), so iterating refuses (ValueError) a mount of another job, and
+    for a job other than `main` a mount that publishes no mark.
     """
 
     def __init__(
@@ -574,9 +577,11 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
         timeout: float | None = None,
         retry_interval: float = 0.1,
         collate: bool = False,
+        job: str = "main",
     ) -> None:
         super().__init__()
         _check_steps(start, stop)
+        self.job = check_job(job)
         self.mountpoint = os.fspath(mountpoint)
         self.collate = collate
         self.rank, self.world_size, self._rank_defaulted = _resolve_rank(rank, world_size)
@@ -610,6 +615,13 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
         if self.rank not in status.get("ranks", [self.rank]):
             served = status.get("ranks")
             raise ValueError(f"{self.mountpoint}: the mount does not serve rank {self.rank} (it serves {served})")
+        job = status.get("job")
+        if job != self.job and (job is not None or self.job != "main"):
+            mounted = "publishes no consumption mark" if job is None else f"reads as job {job!r:.80}"
+            raise ValueError(
+                f"{self.mountpoint}: MountDataset of job {self.job!r}, but the mount {mounted} "
+                f"(mount it with --job {self.job})"
+            )
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.mountpoint, f"rank-{self.rank}", f"{step:012d}")
@@ -693,7 +705,8 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
         return d, meta
 
     def __repr__(self) -> str:
-        return f"MountDataset({self.mountpoint!r}, rank={self.rank}, next_step={self._next_step}, stop={self.stop})"
+        of = f", job={self.job!r}" if self.job != "main" else ""
+        return f"MountDataset({self.mountpoint!r}, rank={self.rank}{of}, next_step={self._next_step}, stop={self.stop})"
 
 
 def _numpy(value: Any) -> Any:

@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 from mountutil import MountProc, PathDataset, is_mounted, read_tree, step_name
 
 import lakestream
+from lakestream._manifest import Manifest
 from lakestream_mount._fs import signal_pending
 from lakestream_mount._mounts import mounts_at
 
@@ -207,8 +208,9 @@ def test_readers_in_several_processes_and_a_dataloader_while_it_is_produced(tmp_
     create(url, world, batch)
     source = make_source_dir(tmp_path / "src", "a", n, random.Random(7), max_bin=60_000)
     nsteps = -(-n // batch)
-    m = mounts(url)
-    assert m.status()["head_step"] == -1
+    m = mounts(url, "--job", "eval")  # reads as training job eval: announces it, publishes its mark
+    assert m.status()["head_step"] == -1 and m.status()["job"] == "eval"
+    assert anyio.run(lakestream.load_state, url).jobs == ["eval"]
 
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(3) as pool:
@@ -242,6 +244,17 @@ def test_readers_in_several_processes_and_a_dataloader_while_it_is_produced(tmp_
     for rank in range(world):
         assert sorted(os.listdir(m.mountpoint / f"rank-{rank}")) == [step_name(s) for s in range(nsteps)] + ["latest"]
 
+    # the readers looked up rank 0's last step: job eval consumed the one before (main published nothing)
+    def marks() -> int | None:
+        return anyio.run(lambda: Manifest(lakestream.open_store(url)).read_consumed("eval"))
+
+    wait_until(lambda: marks() == nsteps - 2, 10, "job eval's consumption mark")
+    assert anyio.run(lambda: Manifest(lakestream.open_store(url)).read_consumed()) is None
+    far = m.mountpoint / "rank-0" / step_name(nsteps + 5)  # looked up far past the head: not consumed
+    assert subprocess.run(["timeout", "0.5", "stat", far], capture_output=True).returncode != 0
+    time.sleep(1.5)
+    assert marks() == nsteps - 2
+
     from torch.utils.data import DataLoader
 
     paths = sorted(
@@ -255,6 +268,13 @@ def test_readers_in_several_processes_and_a_dataloader_while_it_is_produced(tmp_
     for (r, s), files in tree.items():
         for name, data in files.items():
             assert loaded[str(m.mountpoint / f"rank-{r}" / step_name(s) / name)] == data
+
+    from lakestream.torch import MountDataset
+
+    items = list(MountDataset(m.mountpoint, 0, world, stop=nsteps, job="eval"))
+    assert [it["step"] for it in items] == list(range(nsteps))
+    with pytest.raises(ValueError, match="MountDataset of job 'main', but the mount reads as job 'eval'"):
+        iter(MountDataset(m.mountpoint, 0, world))
 
 
 # -- 2. read-only ---------------------------------------------------------------------------------
@@ -638,13 +658,19 @@ def test_after_a_rewind_the_mount_shows_the_new_tgbs_of_reused_steps(tmp_path: P
     url = file_url(tmp_path / "stream")
     create(url, 1, 2)
     produce(url, "p", tgb("old", 8))  # steps 0..3
-    m = mounts(url, "--wait", 1)
+    m = mounts(url, "--wait", 1, "--job", "main")
     r0 = m.mountpoint / "rank-0"
     old_meta3, old3 = read_step_dir(r0 / step_name(3))  # step 3 read in full, step 2 only looked up
     assert os.path.isdir(r0 / step_name(2)) and old_meta3["keys"] == ["old-6", "old-7"]
 
+    def mark() -> int | None:
+        return anyio.run(lambda: Manifest(lakestream.open_store(url)).read_consumed())
+
+    wait_until(lambda: mark() == 2, 5.0, "main's consumption mark at step 2 (step 3 looked up)")
+
     anyio.run(lambda: lakestream.rewind(url, to_step=1))
     wait_until(lambda: m.status()["head_step"] == 1, 5.0, "the mount sees the rewind")
+    wait_until(lambda: mark() == 1, 5.0, "main's mark back to the step rewound to")
     assert os.readlink(r0 / "latest") == step_name(1)
     assert sorted(os.listdir(r0)) == [step_name(0), step_name(1), "latest"]
     # discarded steps are gone (a lookup waits --wait 1 for a new commit, then ENOENT)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import signal
 import subprocess
 import time
@@ -16,6 +17,7 @@ from cliutil import run_cli, spawn_cli, wait_until
 from rich.console import Console
 
 import lakestream
+from lakestream._manifest import Manifest
 from lakestream._top import render, view
 
 
@@ -77,6 +79,24 @@ def test_view_of_two_states(tmp_path: Path) -> None:
     for shown in ("head step", "10  3.00 steps/s", "2 active of 2", "conflict rate 0%", "watermark", "c1",
                   "4 steps ahead", "back-pressure", "0.50 s"):  # fmt: skip
         assert shown in text, (shown, text)
+    assert v["jobs"] == [{"job": "main", "consumed": None, "lag": None, "mark_age_seconds": None}]
+    assert "steps behind head" not in text  # `main` alone: no table of jobs
+
+    # Jobs: each with the step its mark says it consumed last, how far behind the head, how old the mark is.
+    after.jobs = ["eval"]
+    v = view(before, after, 2.0, now, url, {"main": (9, now - 1.5), "eval": (4, now - 30)})
+    assert v["jobs"] == [
+        {"job": "main", "consumed": 9, "lag": 1, "mark_age_seconds": 1.5},
+        {"job": "eval", "consumed": 4, "lag": 6, "mark_age_seconds": 30.0},
+    ]
+    assert view(before, after, 2.0, now, url, {"main": (9, now)})["jobs"][1]["consumed"] is None  # no mark yet
+    v["jobs"][1]["job"] = "x[/y]\x1b[31m"  # shown as text, escaped, whatever the view holds
+    console = Console(file=io.StringIO(), width=150, record=True)
+    console.print(render(v))
+    text = console.export_text()
+    assert re.search(r"main[ │]+9[ │]+1[ │]+1\.5 s ago", text), text
+    assert re.search(re.escape("x[/y]\\x1b[31m") + r"[ │]+4[ │]+6[ │]+30\.0 s ago", text), text
+    assert "\x1b" not in text
 
 
 def _top_json(url: str, interval: float = 1.5) -> dict:
@@ -184,3 +204,11 @@ def test_top_shows_names_from_the_store_as_text(tmp_path: Path) -> None:
         assert r.returncode == 0 and shown in r.stdout, (r.stdout, r.stderr)
         assert not any(c in r.stdout for c in "\x1b\x07"), r.stdout
         assert _top_json(url, 0.2)["last_checkpoint"] == {"id": cid, "step": step}
+
+    anyio.run(lambda: lakestream.checkpoint(url, "e", 1, job="eval"))  # a second job, reading step 1
+    anyio.run(lambda: Manifest(lakestream.open_store(url)).publish_consumed(1, time.time() - 10, "eval"))
+    jobs = _top_json(url, 0.2)["jobs"]
+    assert [(j["job"], j["consumed"], j["lag"]) for j in jobs] == [("main", None, None), ("eval", 1, 0)], jobs
+    assert 10 <= jobs[1]["mark_age_seconds"] < 60, jobs
+    r = run_cli("top", url, "--once", "--interval", "0.2", env={"COLUMNS": "200"})
+    assert r.returncode == 0 and re.search(r"eval[ │]+1[ │]+0[ │]+1\d\.\d s ago", r.stdout), r.stdout

@@ -424,6 +424,35 @@ def test_datasets_pickle(stream: str, tmp_path: Path) -> None:
         iter(m)
 
 
+def test_mount_dataset_of_a_job_refuses_a_mount_of_another_job(tmp_path: Path) -> None:
+    """The mount publishes its job's consumption mark (`_status.json` names the job), so a MountDataset
+    of another job would read unseen by back-pressure and rewinds: it is refused before any step is read.
+    (Read from a mount of its own job: test_mount.py, the readers of a stream being produced.)"""
+
+    def status(**job: Any) -> Path:
+        d = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        (d / "_status.json").write_bytes(
+            json.dumps({"world_size": 1, "ranks": [0], "first_step": 0, "head_step": -1} | job).encode()
+        )
+        return d
+
+    for mp, job, problem in (
+        (status(job="eval"), "main", "job 'main', but the mount reads as job 'eval' (mount it with --job main)"),
+        (status(job="main"), "eval", "job 'eval', but the mount reads as job 'main' (mount it with --job eval)"),
+        (status(job=None), "eval", "job 'eval', but the mount publishes no consumption mark"),
+        (status(), "eval", "job 'eval', but the mount publishes no consumption mark"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            iter(MountDataset(mp, rank=0, world_size=1, job=job))
+    for mp, job in ((status(job="eval"), "eval"), (status(job=None), "main"), (status(), "main")):
+        with pytest.raises(TimeoutError):  # the mount's job: on to its first step (none here)
+            next(iter(MountDataset(mp, rank=0, world_size=1, job=job, timeout=0)))
+    with pytest.raises(ValueError, match="job name"):
+        MountDataset(tmp_path, job="a/b")
+    assert "job='eval'" in repr(MountDataset(tmp_path, job="eval")) and "job=" not in repr(MountDataset(tmp_path))
+
+
 def test_checkpoint_hook_records_on_rank_0_only(tmp_path: Path) -> None:
     url = make_stream(tmp_path / "stream", 3)
     assert checkpoint_hook(url, rank=1)(1) is False

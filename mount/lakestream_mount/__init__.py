@@ -46,7 +46,9 @@ def parse_ranks(spec: str, world_size: int) -> list[int]:
     return sorted(ranks)
 
 
-async def _serve(url: str, mountpoint: str, ranks_spec: str, world_size: int | None, **options: object) -> None:
+async def _serve(
+    url: str, mountpoint: str, ranks_spec: str, world_size: int | None, job: str | None, **options: object
+) -> None:
     import anyio
     import pyfuse3
 
@@ -54,7 +56,9 @@ async def _serve(url: str, mountpoint: str, ranks_spec: str, world_size: int | N
 
     from ._fs import LakeFS
 
-    async with lakestream.open_reader(url, None, world_size, prefetch=0) as reader:
+    # With a job, the reader announces it and publishes the mark the mount moves (`LakeFS.looked_up`)
+    marks = {"publish_consumed": True, "job": job} if job is not None else {"publish_consumed": False}
+    async with lakestream.open_reader(url, None, world_size, prefetch=0, **marks) as reader:
         # `all` follows the ranks in force as the stream is reshaped; listed ranks are checked
         # against the largest world size the stream has had or is scheduled to have
         state = reader.state
@@ -65,7 +69,8 @@ async def _serve(url: str, mountpoint: str, ranks_spec: str, world_size: int | N
         opts = set(pyfuse3.default_options) | {"fsname=lakestream", "subtype=lakestream", "ro"}
         pyfuse3.init(fs, mountpoint, opts)
         _raise_readahead(mountpoint)
-        print(f"mounted {url} at {mountpoint} (ranks {ranks_spec})", flush=True)  # the one line on stdout
+        of = f", job {job}" if job is not None else ""
+        print(f"mounted {url} at {mountpoint} (ranks {ranks_spec}{of})", flush=True)  # the one line on stdout
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, fs.shutdown)
@@ -101,13 +106,21 @@ def run_mount(
     cache_size: int = 1 << 30,
     wait: float = 60.0,
     nonempty: bool = False,
+    job: str | None = None,
 ) -> None:
     """Mount `url` at `mountpoint` and serve until unmounted, SIGINT or SIGTERM (blocks).
 
+    `job`: read as that training job: announce it, and if rank 0 is served, publish its consumption
+    mark (the step before the newest step of rank 0 a reader looked up); None: publish none.
+
     Raises OSError if `mountpoint` is not a directory, is already a mount point, or is not empty
-    (unless `nonempty`: its files are hidden while mounted)."""
+    (unless `nonempty`: its files are hidden while mounted); ValueError if `job` is not a job name."""
     import pyfuse3.asyncio
 
+    if job is not None:
+        from lakestream._records import check_job
+
+        check_job(job)
     mounted = mounts_at(mountpoint)  # first: a stat of a stuck FUSE mount would hang
     if mounted:
         raise OSError(f"{mountpoint} is already a mount point ({mounted[-1].fstype}); unmount it first")
@@ -116,7 +129,7 @@ def run_mount(
     if not nonempty and os.listdir(mountpoint):
         raise OSError(f"mount point {mountpoint} is not empty (--nonempty mounts over its files, hiding them)")
     pyfuse3.asyncio.enable()
-    asyncio.run(_serve(url, mountpoint, ranks, world_size, prefetch=prefetch, cache_size=cache_size, wait=wait))
+    asyncio.run(_serve(url, mountpoint, ranks, world_size, job, prefetch=prefetch, cache_size=cache_size, wait=wait))
 
 
 FUSECTL = "/sys/fs/fuse/connections"

@@ -1,6 +1,6 @@
 """The FUSE filesystem: each mounted rank's committed steps as read-only directories.
 
-    MOUNTPOINT/_status.json                        head step, version, producers, lag, closed_after
+    MOUNTPOINT/_status.json                        head step, version, producers, lag, closed_after, job
     MOUNTPOINT/rank-<r>/latest -> <step:012d>      the newest committed step
     MOUNTPOINT/rank-<r>/END                        {"closed_after": E} once the stream ended after step E
     MOUNTPOINT/rank-<r>/<step:012d>/<key>.<field>  one file per sample field
@@ -38,6 +38,9 @@ Theory of operation.
 - The end. Once the stream is closed after step E (a `close` record), a step past E never comes:
   its lookup answers ENOENT at once, and a wait for one ends with ENOENT when the close record
   arrives. Once the head reached E, each rank directory holds `END`; a `reopen` record removes it.
+- Marks. With a job (`lakestream mount --job`), the reader publishes that job's consumption mark,
+  which a lookup of rank 0's step n moves to n - 1 (`_looked_up`): only up to the step after the
+  head, and a rewind brings it down to the new head.
 - Signals. Once a request reaches us the kernel waits for our answer whatever signal its caller
   gets; it sends FUSE_INTERRUPT, but pyfuse3 does not deliver that. So a waiting request looks,
   every `INTERRUPT_POLL` seconds, at whether its caller's thread has a signal pending that it does
@@ -569,6 +572,7 @@ class LakeFS(pyfuse3.Operations):
         if s.rewinds != self._rewinds or s.first_step != self._first_step or s.shapes != self._shapes:
             if s.rewinds != self._rewinds:
                 log.warning("rewind to step %d: discarded steps forgotten", s.head)
+                self.reader.consumed = min(self.reader.consumed, s.head)  # the trainer resumes from a checkpoint
             if s.shapes != self._shapes:
                 log.warning("reshaped: steps from %d on are read as %d ranks", s.shapes[-1][0], s.shapes[-1][1])
                 for r in range(self._widest_seen):  # rank directories no longer shown
@@ -674,6 +678,13 @@ class LakeFS(pyfuse3.Operations):
             self.metrics.waited(time.monotonic() - started)
         return step >= self.state.first_step
 
+    def _looked_up(self, step: int) -> None:
+        """A reader asked for rank 0's `step`: it consumed the step before (the consumption mark the
+        reader publishes for the mount's job, if any). Only a step up to the next one counts, so
+        that a lookup far ahead (a typo, a script) cannot lift back-pressure."""
+        if self.reader.publish_consumed and step <= self.state.head + 1:
+            self.reader.consumed = max(self.reader.consumed, step - 1)
+
     def _past_end(self, step: int) -> bool:
         """Whether the stream is closed before `step`: it will never be committed."""
         closed = self.state.closed_after
@@ -734,6 +745,7 @@ class LakeFS(pyfuse3.Operations):
         return orjson.dumps(
             {
                 "url": self.reader.url,
+                "job": self.reader.job if self.reader.publish_consumed else None,  # whose mark it publishes
                 "head_step": s.head,
                 "first_step": s.first_step,
                 "version": s.version,
@@ -839,6 +851,8 @@ class LakeFS(pyfuse3.Operations):
         step = step_of_name(name)
         if step is None or step < s.first_step or not self._has(r, step):
             raise pyfuse3.FUSEError(errno.ENOENT)
+        if r == 0:
+            self._looked_up(step)
         entry = s.step(step)
         if entry is not None:
             return self._ref(self.inodes.get("step", r, step, entry, s.world_at(step)))
