@@ -635,6 +635,7 @@ def fork_history(
     fails = []
     history: dict[int, Any] = {}
     by_step: dict[int, list[Any]] = {}
+    unread = []
     for s in range(fst.head + 1):
         if s < fst.first_step:
             if s in run.history and s in source_steps:
@@ -643,10 +644,12 @@ def fork_history(
         records = []
         for rank in range(run.cfg.world_size):
             if (s, rank) not in final:
-                fails.append(f"the fork's step {s} rank {rank} was not read")
+                unread.append((s, rank))
                 continue
             records.extend(final[(s, rank)])
         history[s], by_step[s] = fst.step(s), records
+    if unread:
+        fails.append(f"{len(unread)} (step, rank)s of the fork were not read, e.g. {unread[:10]}")
     at = run.fork_info["at_step"] if run.fork_info is not None else 0
     skipped = [(k, r) for k, r in skipped_records(run) if k.at < at - 1]  # those a reclaim dropped before it too
     return history, by_step, skipped, fails
