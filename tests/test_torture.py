@@ -6,8 +6,11 @@ the mount daemon killed, GC every few seconds, checkpoints, one rewind, injected
 all at once against the real S3 server — then every source record must be in exactly one step of
 the final history, every reader must have seen the same history, and the bytes left after a final
 GC must match the retained steps. The second test makes that rewind a replay (`rewind
---skip-steps`): a record may then be in one skipped TGB instead, and no producer is fenced. See the harness's docstring (tests/torture/__init__.py) for the
-details, and tests/torture/checker.py for each check.
+--skip-steps`): a record may then be in one skipped TGB instead, and no producer is fenced; and
+it forks the stream after the replay (`lakestream fork`) and runs the producers on the fork too:
+the fork's history is the source's below the fork step and its own after, every source record in
+exactly one step of it. See the harness's docstring (tests/torture/__init__.py) for the details,
+and tests/torture/checker.py for each check.
 
 Below it, fast in-memory reproductions of library bugs the torture test found.
 """
@@ -62,8 +65,9 @@ def test_torture(s3_server, s3_url, tmp_path):  # type: ignore[no-untyped-def]
 @pytest.mark.timeout(400)
 def test_torture_with_a_replay(s3_server, s3_url, tmp_path):  # type: ignore[no-untyped-def]
     """The same, shorter, with the half-way rewind a replay (`rewind --skip-steps`): no producer is
-    fenced, every source record is in one step or in one skipped TGB, the rest replayed in order."""
-    cfg = torture.Config(seconds=30, seed=20241202, rate=10.0, mount=MOUNT, replay=True)
+    fenced, every source record is in one step or in one skipped TGB, the rest replayed in order.
+    After it, a fork at the next checkpoint with the producers run on it too (killed as well)."""
+    cfg = torture.Config(seconds=30, seed=20241202, rate=10.0, mount=MOUNT, replay=True, fork=True)
     report = torture.run(cfg, s3_url, s3_server.env(), tmp_path)
     print("\n" + report.summary())
     assert report.ok, "\n".join(report.failures)
@@ -72,6 +76,9 @@ def test_torture_with_a_replay(s3_server, s3_url, tmp_path):  # type: ignore[no-
     assert int(f["skipped"].split()[0]) >= 1, f["skipped"]
     assert int(f["fenced"].split()[0]) == 0, f["fenced"]
     assert _count(f["kills"], "producers") >= 3, f["kills"]
+    assert f["fork"].startswith("at step ") and "4 first resumes at the fork step checked" in f["fork"], f["fork"]
+    assert int(re.search(r"(\d+) SIGKILLs", f["fork"])[1]) >= 1, f["fork"]  # type: ignore[index]
+    assert "forks read its steps" in f["fork"] and "unfork (and gc): the source's first step" in f["fork"], f["fork"]
 
 
 # -- bugs found by the torture test, reproduced in memory --------------------------------------------

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Torture test: everything at once, against a real S3 server (SeaweedFS), then check the result.
 
-    .venv/bin/python tests/torture.py --minutes 10 [--seed N] [--keep] [--json FILE]
+    .venv/bin/python tests/torture.py --minutes 10 [--seed N] [--replay] [--fork] [--keep] [--json FILE]
     .venv/bin/python -m pytest tests/test_torture.py        # the short version (about a minute)
 
 The harness is the package `tests/torture/` (its docstring says what runs and what is checked;

@@ -1,6 +1,6 @@
 """Torture test: everything at once, against a real S3 server (SeaweedFS), then check the result.
 
-    .venv/bin/python tests/torture.py --minutes 10 [--seed N] [--replay] [--keep] [--json FILE]
+    .venv/bin/python tests/torture.py --minutes 10 [--seed N] [--replay] [--fork] [--keep] [--json FILE]
     .venv/bin/python -m pytest tests/test_torture.py        # the short versions (a minute or so each)
 
 What runs, concurrently, for the chaos phase:
@@ -26,6 +26,15 @@ What runs, concurrently, for the chaos phase:
   failure) or moved back: running producers go on. The readers notice it as a rewind, as above. A
   failed command is run again unless the follower shows its record landed (applied at most once);
   the skipped TGBs' records are read at once, before GC may delete their segments;
+* with `--fork` (`Config.fork`), half-way (at the first checkpoint after the rewind): `lakestream
+  fork URL URL-fork --at-step S`, S the newest checkpoint's step + 1, into a second prefix of the
+  same bucket (run again until it succeeds; once more at the end, when it must change nothing).
+  Then the 4 producers run on the fork too (same ids, same source directories, throttled,
+  SIGKILLed and restarted like the others, one of them within 3 s of the fork, never fenced)
+  until their sources are exhausted in the drain; the first incarnation of each that registers
+  must resume at the source's cursor as of S. Nothing reads the fork during the run, and only the
+  source is GCed: the fork's final read proves that no GC of the source deleted a segment the fork
+  shares;
 * injected store faults everywhere: in subprocesses through `LAKESTREAM_FAULTS`
   (`lakestream.testing.inject_faults`: 503-like failures and ambiguous puts) plus a timeout hook
   added by the harness's child wrapper (`torture.py cli ...`, which runs the `lakestream` command
@@ -51,7 +60,18 @@ are exhausted, readers catch up), a final GC, and the checks:
 * no reader failed on a retained step; StepUnavailable only where a rewind discarded a step;
 * after the final GC, the bytes under `segments/` are within 10% of the retained steps' segment
   bytes (sum of Step.nbytes, with the skipped TGBs GC still keeps); after a log clean-up
-  (in-process gc with lease 0, everything stopped) the whole stream prefix is too.
+  (in-process gc with lease 0, everything stopped) the whole stream prefix is too;
+* with a fork (after a final GC of the fork too): its steps below S are exactly the source's TGBs
+  (segment keys, producers, epochs, seqs, slices, cursors; version 0, read from the source's
+  store) as the source had them when it forked, the source's still are, and its skipped TGBs are
+  the source's below S; every source record is in exactly one step of the fork's final history
+  (the source's reclaimed steps as its readers consumed them, then the fork's steps read again at
+  the end, shared ones through the source's store, reading the bytes the source's readers read)
+  or one skipped TGB it keeps, with its bytes, in source order with the right cursor at every
+  step; `lakestream verify` of the fork passes; `lakestream fork` run again changes nothing;
+  `lakestream delete SRC --yes` is refused naming
+  the fork; then `lakestream unfork` and a `gc` of the source work: the source reclaims up to its
+  watermark and `status` of it lists no forks.
 
 Where each part lives:
 
@@ -65,8 +85,9 @@ Where each part lives:
   history of the stream, what the readers journaled, counters and failures);
 * `checker.py`: one function per guarantee, named after it (`check_exactly_once`,
   `check_gap_free_order`, `check_atomic_visibility`, `check_rewind_resumes_at_checkpoint`,
-  `check_replay_keeps_the_rest_in_order`, `check_storage_reclaimed`, ...), and the figures of the
-  report.
+  `check_replay_keeps_the_rest_in_order`, `check_storage_reclaimed`,
+  `check_fork_shares_the_source_steps`, `check_fork_exactly_once`,
+  `check_unfork_releases_the_source`, ...), and the figures of the report.
 """
 
 from __future__ import annotations

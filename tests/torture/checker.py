@@ -10,7 +10,10 @@ Checked while the run goes on, as the journals and the log come in:
   the first incarnation of each producer registered after the rewind resumes there;
 * `check_replay_keeps_the_rest_in_order` (with `--replay`, instead of those two): right after the
   replay the steps after the checkpoint are the old ones but the skipped, in order, the same TGBs;
-  the skipped ones are the state's skipped list; no producer's epoch or cursor moved.
+  the skipped ones are the state's skipped list; no producer's epoch or cursor moved;
+* with `--fork`: `check_fork_shares_the_source_steps` as it forks (and again at the end);
+  `check_fork_producer_resumes_at_the_fork_step`: the first incarnation of each producer that
+  registers on the fork resumes at the source's cursor as of the fork step.
 
 Checked at the end (`check_all`, in this order):
 
@@ -29,7 +32,12 @@ Checked at the end (`check_all`, in this order):
 * `check_readers_failed_only_on_discarded_steps`;
 * `check_storage_reclaimed`: after the final GC the segment bytes are those of the retained steps
   (within 10%), and after a log clean-up the whole stream prefix is;
-* `check_verify_passes`: `lakestream verify`.
+* `check_verify_passes`: `lakestream verify`;
+* with `--fork` (`check_fork`): `check_fork_shares_the_source_steps`, `check_sources_finished` on
+  the fork, the fork's final read (`read_fork_steps`: its shared steps read the bytes the source's
+  readers read), `check_fork_exactly_once` and `check_fork_source_order` over the fork's final
+  history, `check_verify_passes` of the fork, `check_fork_run_again_changes_nothing`,
+  `check_a_forked_source_refuses_delete`, `check_unfork_releases_the_source`.
 """
 
 from __future__ import annotations
@@ -198,6 +206,82 @@ def check_resume_after_rewind(run: Run, p: ProducerSlot) -> None:
     p.expect_resume = None
 
 
+def cursors_before_fork(run: Run, at_step: int) -> dict[str, Any]:
+    """Each producer's cursor after the source's history below `at_step` as the follower saw it:
+    its steps, and the TGBs the replay skipped that a fork there keeps (after a step below
+    `at_step - 1`; one after step `at_step - 1` is produced again, as after a rewind to it)."""
+    from lakestream._state import _in_order
+
+    last: dict[str, Any] = {}
+    steps = [run.history[s] for s in range(at_step) if s in run.history]
+    for e in _in_order(steps, [k for k, _ in run.skipped if k.at < at_step - 1]):
+        last.update(e.cursors())
+    return last
+
+
+def check_fork_producer_resumes_at_the_fork_step(run: Run, p: ProducerSlot) -> None:
+    """A fork's producers resume exactly where the source's were at the fork step: the first
+    incarnation of each that registers on the fork resumes at that cursor (called as each
+    incarnation ends; counts the resumes checked)."""
+    if p.expect_resume is None or p.child is None:
+        return
+    m = REGISTERED.search(p.child.text())
+    if m is None:
+        return
+    got = cursor_position(json.loads(m[3]))
+    if got != p.expect_resume:
+        run.failures.append(f"{p.name}: its first incarnation on the fork resumed at {got}, expected {p.expect_resume}")
+    else:
+        run.counts["fork_resumes_checked"] += 1
+    p.expect_resume = None
+
+
+def check_fork_shares_the_source_steps(run: Run, fst: Any) -> list[str]:
+    """The fork's steps below its fork step S are the source's TGBs as the source had them when it
+    forked (segment keys, producers, epochs, seqs, slices, cursors; version 0), each read from the
+    source's store, from the source's first step then (its hold) on; the skipped TGBs it keeps are
+    the source's then; the source's history below S is still that; every producer's cursor on the
+    fork is its cursor as of S."""
+    info = run.fork_info
+    assert info is not None
+    at = info["at_step"]
+
+    def entry(e: Any) -> list[Any]:  # a TGB but its version
+        return [e.step, *e.to_list()[2:]]
+
+    fails = []
+    if fst.base is None or (fst.base.source, fst.base.at_step) != (run.url, at):
+        fails.append(f"the fork's base is {fst.base}, not {run.url} at step {at}")
+        return fails
+    if fst.first_step != info["hold"]:
+        fails.append(f"the fork's first step is {fst.first_step}, not the source's when it forked ({info['hold']})")
+    want = [entry(e) for e in info["steps"] if e.step >= fst.first_step]
+    got = [entry(fst.step(s)) for s in range(fst.first_step, min(at, fst.head + 1))]
+    if got != want:
+        diff = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+        fails.append(
+            f"the fork's steps {fst.first_step}..{at - 1} are not the source's TGBs as it forked: {len(got)} vs "
+            f"{len(want)}, first difference at step {fst.first_step + diff}"
+        )
+    if any(fst.step(s).version != 0 or not fst.base.holds(fst.step(s)) for s in range(fst.first_step, at)):
+        fails.append("a step of the fork below its fork step is not the source's (version 0, epoch below the fork's)")
+    if any(fst.base.holds(fst.step(s)) for s in range(at, fst.head + 1)):
+        fails.append("a step of the fork from its fork step on is read from the source")
+    now = [entry(run.history[s]) for s in range(fst.first_step, at) if s in run.history]
+    if now != want:
+        fails.append(f"the source's steps {fst.first_step}..{at - 1} changed after the fork")
+    kept = [[k.at, entry(k.step)] for k in fst.skipped if fst.base.holds(k.step)]
+    if kept != [[k.at, entry(k.step)] for k in info["skipped"]]:
+        fails.append(f"the fork keeps skipped TGBs {[[k[0], k[1][0]] for k in kept]}, not the source's below its step")
+    for p in run.fork_producers:
+        if p.pid in info["cursors"] and cursor_position(info["cursors"][p.pid]) != info["resume"].get(p.pid):
+            fails.append(
+                f"{p.name}: the fork's cursor is {info['cursors'][p.pid]}, the source's at step {at} was at "
+                f"{info['resume'].get(p.pid)}"
+            )
+    return fails
+
+
 # =================================================================================================
 # At the end
 # =================================================================================================
@@ -346,13 +430,16 @@ def source_records(run: Run) -> tuple[dict[str, list[Any]], dict[str, list[tuple
 
 
 def skipped_records(run: Run) -> list[tuple[Any, list[Any]]]:
-    """The TGBs a replay skipped, [(Step as it was, [[key, fields], …] of every rank)], in `at` order."""
-    return [(k.step, [x for rank in sorted(per_rank) for x in per_rank[rank]]) for k, per_rank in run.skipped]
+    """The TGBs a replay skipped, [(Skipped, [[key, fields], …] of every rank)], in `at` order."""
+    return [(k, [x for rank in sorted(per_rank) for x in per_rank[rank]]) for k, per_rank in run.skipped]
 
 
-def check_exactly_once(run: Run, by_step: dict[int, list[Any]]) -> list[str]:
+def check_exactly_once(
+    run: Run, by_step: dict[int, list[Any]], skipped: list[tuple[Any, list[Any]]] | None = None
+) -> list[str]:
     """Exactly once: every source record is in exactly one step of the final history or in exactly
-    one TGB a replay skipped (never both), with its exact bytes, and nothing else is."""
+    one TGB a replay skipped (never both), with its exact bytes, and nothing else is. `skipped`:
+    [(Skipped, records)] kept with the history (the replay's: `skipped_records`)."""
     expected, _ = source_records(run)
     where: dict[str, list[str]] = defaultdict(list)
     got: dict[str, list[Any]] = {}
@@ -360,9 +447,9 @@ def check_exactly_once(run: Run, by_step: dict[int, list[Any]]) -> list[str]:
         for key, flds in records:
             where[key].append(f"step {s}")
             got[key] = flds
-    for e, records in skipped_records(run):
+    for k, records in skipped_records(run) if skipped is None else skipped:
         for key, flds in records:
-            where[key].append(f"skipped step {e.step} (version {e.version})")
+            where[key].append(f"skipped step {k.step.step} (version {k.step.version})")
             got[key] = flds
     fails = []
     dupes = {k: v for k, v in where.items() if len(v) > 1}
@@ -380,26 +467,34 @@ def check_exactly_once(run: Run, by_step: dict[int, list[Any]]) -> list[str]:
     return fails
 
 
-def check_source_order(run: Run, by_step: dict[int, list[Any]]) -> list[str]:
+def check_source_order(
+    run: Run,
+    by_step: dict[int, list[Any]],
+    history: dict[int, Any] | None = None,
+    skipped: list[tuple[Any, list[Any]]] | None = None,
+) -> list[str]:
     """Each producer's records are in source order, TGB by TGB, and each step's committed cursor
     is the position after its last record. A step that packs leftovers holds, for each producer it
     names, the next records of that producer's source, and its cursor after them. The TGBs a replay
-    skipped count in their place in the history (after their step `at`; `_state._in_order`)."""
+    skipped count in their place in the history (after their step `at`; `_state._in_order`).
+    `history` ({step: Step}) and `skipped` ([(Skipped, records)]): the follower's and the replay's."""
     from lakestream._state import _in_order
 
+    history = run.history if history is None else history
+    skipped = skipped_records(run) if skipped is None else skipped
     _, order = source_records(run)
     owner = {k: pid for pid, seq in order.items() for k, _ in seq}
     pos = dict.fromkeys(order, 0)
     done: set[str] = set()  # producers already failed: one failure each
     fails = []
-    records = {(run.history[s].step, run.history[s].version): by_step[s] for s in by_step}
-    records.update({(e.step, e.version): r for e, r in skipped_records(run)})
-    history = _in_order([run.history[s] for s in sorted(by_step)], [k for k, _ in run.skipped])
-    skipped = {(k.step.step, k.step.version) for k, _ in run.skipped}
-    for e in history:
-        s = f"{e.step} (skipped by the replay)" if (e.step, e.version) in skipped else str(e.step)
+    records = {history[s].segment: by_step[s] for s in by_step}  # a TGB's segment names it
+    records.update({k.step.segment: r for k, r in skipped})
+    tgbs = _in_order([history[s] for s in sorted(by_step)], [k for k, _ in skipped])
+    was_skipped = {k.step.segment for k, _ in skipped}
+    for e in tgbs:
+        s = f"{e.step} (skipped by the replay)" if e.segment in was_skipped else str(e.step)
         mine: dict[Any, set[str]] = defaultdict(set)
-        for k, _ in records[(e.step, e.version)]:
+        for k, _ in records[e.segment]:
             mine[owner.get(k)].add(k)
         named = dict(e.cursors())
         if not set(mine) <= set(named):
@@ -484,10 +579,189 @@ async def check_state_unchanged_by_cleanup(run: Run, st: Any) -> list[str]:
     return []
 
 
-async def check_verify_passes(run: Run) -> list[str]:
-    rc, text = await run.run_cli("verify", run.url, faults=False, name="verify")
-    run.fig["verify"] = text.strip().splitlines()[-1] if text.strip() else ""
-    return [f"lakestream verify failed:\n{text}"] if rc != 0 else []
+async def check_verify_passes(run: Run, url: str | None = None, label: str = "verify") -> list[str]:
+    rc, text = await run.run_cli("verify", url or run.url, faults=False, name=label)
+    run.fig[label] = text.strip().splitlines()[-1] if text.strip() else ""
+    return [f"lakestream verify {url or run.url} failed:\n{text}"] if rc != 0 else []
+
+
+# -- the fork (`Config.fork`) ----------------------------------------------------------------------
+
+
+async def fork_state(run: Run) -> Any:
+    """The fork's state, read in-process through its faulty store (injected faults retried)."""
+    import lakestream
+
+    for _attempt in range(20):
+        try:
+            return await lakestream.load_state(run.fork_store)
+        except lakestream.StoreUnavailable:
+            continue
+    return await lakestream.load_state(run.fork_store)
+
+
+async def read_fork_steps(run: Run, fst: Any) -> tuple[dict[tuple[int, int], list[Any]], list[str]]:
+    """Read every step of the fork of every rank (those below its fork step from the source's
+    store, after every GC of the source): {(step, rank): samples}, and the failures (a read that
+    fails, a shared step that reads other bytes than the source's readers read)."""
+    import lakestream
+
+    assert run.fork_info is not None
+    fails: list[str] = []
+    final: dict[tuple[int, int], list[Any]] = {}
+    for rank in range(run.cfg.world_size):
+        try:
+            async with lakestream.open_reader(run.fork_store, rank, raw=True) as r:
+                async for b in r.steps(fst.first_step, fst.head + 1):
+                    final[(b.step, rank)] = [[x["__key__"], sample_fields(x)] for x in b.samples]
+        except Exception as e:
+            fails.append(f"final read of the fork's rank {rank} failed: {type(e).__name__}: {e}")
+    for (s, rank), samples in sorted(final.items()):
+        e = run.history.get(s)
+        have = run.contents.get((s, e.version, rank)) if e is not None and s < run.fork_info["at_step"] else None
+        if have is not None and have[0] != journal_digest(samples):
+            fails.append(f"the fork's step {s} rank {rank} reads other bytes than the source's readers read")
+    return final, fails
+
+
+def fork_history(
+    run: Run, fst: Any, source_steps: dict[int, list[Any]], final: dict[tuple[int, int], list[Any]]
+) -> tuple[dict[int, Any], dict[int, list[Any]], list[tuple[Any, list[Any]]], list[str]]:
+    """The fork's final history: ({step: Step}, {step: records of every rank}, [(Skipped, records)]).
+    Below its first step (reclaimed by the source before it forked) the source's steps as its
+    readers consumed them; from it on the fork's, as read at the end; its skipped TGBs are the
+    source's before step S - 1 (`check_fork_shares_the_source_steps` checks the fork keeps those
+    the source had not reclaimed), with the records read as the replay landed."""
+    fails = []
+    history: dict[int, Any] = {}
+    by_step: dict[int, list[Any]] = {}
+    unread = []
+    for s in range(fst.head + 1):
+        if s < fst.first_step:
+            if s in run.history and s in source_steps:
+                history[s], by_step[s] = run.history[s], source_steps[s]
+            continue
+        records = []
+        for rank in range(run.cfg.world_size):
+            if (s, rank) not in final:
+                unread.append((s, rank))
+                continue
+            records.extend(final[(s, rank)])
+        history[s], by_step[s] = fst.step(s), records
+    if unread:
+        fails.append(f"{len(unread)} (step, rank)s of the fork were not read, e.g. {unread[:10]}")
+    at = run.fork_info["at_step"] if run.fork_info is not None else 0
+    skipped = [(k, r) for k, r in skipped_records(run) if k.at < at - 1]  # those a reclaim dropped before it too
+    return history, by_step, skipped, fails
+
+
+def check_fork_exactly_once(run: Run, by_step: dict[int, list[Any]], skipped: list[tuple[Any, list[Any]]]) -> list[str]:
+    """Exactly once on the fork: every source record is in exactly one step of the fork's final
+    history (below its fork step the source's, after it its own) or in one skipped TGB it keeps
+    from the source, with its exact bytes."""
+    return [f"fork: {x}" for x in check_exactly_once(run, by_step, skipped)]
+
+
+def check_fork_source_order(
+    run: Run, by_step: dict[int, list[Any]], history: dict[int, Any], skipped: list[tuple[Any, list[Any]]]
+) -> list[str]:
+    """Source order on the fork: each producer's records in source order through the source's steps
+    and then the fork's own, with the right cursor at every step."""
+    return [f"fork: {x}" for x in check_source_order(run, by_step, history, skipped)]
+
+
+async def check_fork_run_again_changes_nothing(run: Run, fst: Any) -> list[str]:
+    """`lakestream fork` run again at the end (again after an injected fault) succeeds and changes
+    neither the fork nor the source's record of it."""
+    import lakestream
+
+    assert run.fork_info is not None
+    before = [(f.url, f.at_step, f.hold) for f in (await lakestream.load_state(run.url)).forks]
+    for _attempt in range(10):
+        rc, text = await run.run_cli("fork", run.url, run.fork_url, "--at-step", run.fork_info["at_step"], name="fork")
+        if rc == 0 or "injected" not in text:
+            break
+    fails = [] if rc == 0 else [f"lakestream fork run again at the end: exit {rc}\n{text}"]
+    after = [(f.url, f.at_step, f.hold) for f in (await lakestream.load_state(run.url)).forks]
+    if after != before:
+        fails.append(f"lakestream fork run again changed the source's forks: {before} -> {after}")
+    if (await fork_state(run)).version != fst.version:
+        fails.append("lakestream fork run again changed the fork")
+    return fails
+
+
+async def check_a_forked_source_refuses_delete(run: Run) -> list[str]:
+    """While the fork exists, `lakestream delete SRC --yes` is refused, naming the fork."""
+    rc, text = await run.run_cli("delete", run.url, "--yes", faults=False, name="delete-source")
+    assert run.fork_info is not None
+    run.fork_info["delete"] = text.strip().splitlines()[-1] if text.strip() else ""
+    if rc == 0 or f"forks read its steps ({run.fork_url})" not in text:
+        return [f"lakestream delete of the source with a fork: exit {rc}, not refused naming the fork\n{text}"]
+    return []
+
+
+async def check_unfork_releases_the_source(run: Run) -> list[str]:
+    """`lakestream unfork` (run again after a failure) makes the fork read its source no more, then
+    the source's `gc` reclaims the steps it kept for the fork (up to its watermark), and `status`
+    of the source lists no forks."""
+    import lakestream
+
+    info = run.fork_info
+    assert info is not None
+    fails = []
+    for name, args, says in (("unfork", ("unfork", run.fork_url), "unforked"),
+                             ("gc-unforked", ("gc", run.url, "--orphan-grace", 0, "--force-grace"), "")):  # fmt: skip
+        for _attempt in range(10):
+            rc, text = await run.run_cli(*args, name=name)
+            if rc == 0:
+                break
+            run.counts[f"{name}_retries"] += 1
+        if rc != 0 or says not in text:
+            fails.append(f"lakestream {name} failed 10 times (or said nothing):\n{text}")
+            return fails
+    statuses = []
+    for url in (run.url, run.fork_url):
+        rc, text = await run.run_cli("status", url, "--json", faults=False, name="status")
+        try:
+            statuses.append(json.loads(text[text.index("{") :]))
+        except ValueError:
+            return [f"lakestream status {url} --json: exit {rc}\n{text}"]
+    src, fork = statuses
+    if src.get("forks") != []:
+        fails.append(f"after unfork, status of the source lists forks {src.get('forks')}")
+    if fork.get("fork_of") is None or fork["fork_of"].get("reads_it") is not False:
+        fails.append(f"after unfork, status of the fork says fork_of {fork.get('fork_of')}")
+    st = await lakestream.load_state(run.url)
+    info["unforked"] = f"the source's first step {info['hold']} -> {st.first_step} (watermark {st.watermark})"
+    if st.first_step < st.watermark:
+        fails.append(
+            f"after unfork and gc the source's first step is {st.first_step}, below its watermark {st.watermark}"
+        )
+    return fails
+
+
+async def check_fork(run: Run, source_steps: dict[int, list[Any]]) -> list[str]:
+    """Every check of the fork, in order; `source_steps` the source's final history's records."""
+    fst = await fork_state(run)
+    fails = check_fork_shares_the_source_steps(run, fst)
+    fails += check_sources_finished(run, fst)
+    final, read_fails = await read_fork_steps(run, fst)
+    fails += read_fails
+    history, by_step, skipped, history_fails = fork_history(run, fst, source_steps, final)
+    fails += history_fails
+    fails += check_fork_exactly_once(run, by_step, skipped)
+    fails += check_fork_source_order(run, by_step, history, skipped)
+    assert run.fork_info is not None
+    run.fork_info["final"] = (
+        f"{fst.head + 1} steps ({run.fork_info['at_step']} the source's, {fst.first_step} reclaimed before the fork; "
+        f"{fst.head + 1 - run.fork_info['at_step']} its own), {len(fst.skipped)} skipped TGBs kept"
+    )
+    run.out(f"[{run.now():7.1f}] fork checked")
+    fails += await check_verify_passes(run, run.fork_url, "verify_fork")
+    fails += await check_fork_run_again_changes_nothing(run, fst)
+    fails += await check_a_forked_source_refuses_delete(run)
+    fails += await check_unfork_releases_the_source(run)
+    return [x if x.startswith("fork") else f"fork: {x}" for x in fails]
 
 
 async def check_all(run: Run) -> None:
@@ -515,6 +789,8 @@ async def check_all(run: Run) -> None:
     run.out(f"[{run.now():7.1f}] log cleaned up")
     fails += await check_verify_passes(run)
     fails += await check_state_unchanged_by_cleanup(run, st)
+    if run.fork_info is not None:
+        fails += await check_fork(run, by_step)
     run.final_state = st
     await anyio.lowlevel.checkpoint()
 
@@ -571,6 +847,15 @@ def figures(run: Run, gc_seconds: list[float]) -> None:
         "reads": ", ".join(f"{r.name} {r.entries}" for r in run.readers),
         "init_retries": c["init_retries"],
     }
+    if run.fork_info is not None:
+        i, fp = run.fork_info, run.fork_producers
+        fig["fork"] = (
+            f"at step {i['at_step']} (head {i['head']}; the source keeps its steps from {i['hold']} for it), "
+            f"{i['attempts']} attempt(s); its producers: {sum(p.incarnations for p in fp)} incarnations, "
+            f"{c['kills_fork_producer']} SIGKILLs, {c['fork_resumes_checked']} first resumes at the fork step "
+            f"checked; {i.get('final', 'not checked')}; final gc: {i.get('final_gc')}; delete of the source: "
+            f"{i.get('delete')}; unfork (and gc): {i.get('unforked')}"
+        )
     if st is not None:
         fig["steps"] = (
             f"{st.head + 1} in the final history ({st.first_step} reclaimed, {len(st.steps)} retained), "

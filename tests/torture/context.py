@@ -54,6 +54,7 @@ class Config:
     mount: bool = True
     rewind_at: float = 0.5  # fraction of the chaos phase
     replay: bool = False  # the rewind skips 1-2 ranges of steps after the checkpoint (`--skip-steps`): a replay
+    fork: bool = False  # fork the stream half-way (after the rewind) and run the producers on the fork too
     drain_timeout: float = 900.0  # at most, in all; with back-pressure the drain moves at the trainer's pace
     drain_stall: float = 60.0  # the drain fails once neither the head nor any reader moved for this long
     rewind_notice_timeout: float = 30.0
@@ -141,6 +142,7 @@ class Run:
         self.sources: dict[str, dict[str, bytes]] = {}  # producer -> {file name: bytes}
         self.producers: list[ProducerSlot] = []
         self.readers: list[ReaderSlot] = []
+        self.fork_producers: list[ProducerSlot] = []  # the same producers on the fork (`Config.fork`)
         # the follower's view of the history
         self.history: dict[int, Any] = {}  # step -> Step (current history, reclaimed steps included)
         self.seen: dict[tuple[int, int], Any] = {}  # (step, version) -> Step, every TGB ever observed
@@ -173,6 +175,11 @@ class Run:
         self.rewind_mono: float | None = None
         # a replay's skipped TGBs and their records (read as the replay landed): [(Skipped, {rank: samples})]
         self.skipped: list[tuple[Any, dict[int, list[Any]]]] = []
+        # the fork (`Config.fork`): its URL, a second prefix in the same bucket, and what the driver
+        # saw as it forked: at_step, the source's TGBs below it and skipped TGBs it keeps, attempts
+        self.fork_url = url.rstrip("/") + "-fork"
+        self.fork_info: dict[str, Any] | None = None
+        self.fork_store: Any = None  # the fork behind a FaultyStore: its state and final reads
         self.final_state: Any = None
         self.chaos = False
         self.abort = False

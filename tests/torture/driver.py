@@ -44,6 +44,7 @@ class Driver:
         self.readers = Readers(self.run)
         self.mount = Mount(self.run)
         self.gc = Gc(self.run)
+        self.fork_kill_at: float | None = None  # the first SIGKILL of a producer of the fork: one in any run
 
     # -- the trainer: checkpoints and the rewind -------------------------------------------------
 
@@ -206,6 +207,51 @@ class Driver:
         await anyio.lowlevel.checkpoint()
         return True
 
+    async def fork(self) -> bool:
+        """`lakestream fork URL FORK --at-step S`, S the newest retained checkpoint's step + 1 (False:
+        no checkpoint yet), run again until it succeeds (it finishes one cut short; the checker runs
+        it once more at the end, when it must change nothing); then the same producers (ids,
+        sources) on the fork, each to resume at its cursor as of S, one of them SIGKILLed within
+        a few seconds. The fork must hold the source's TGBs below S as the follower saw them."""
+        run = self.run
+        st = await run.refresh()
+        if not st.checkpoints:
+            return False
+        at = max(c.step for c in st.checkpoints) + 1
+        run.out(f"[{run.now():7.1f}] fork at step {at} (head {st.head}) to {run.fork_url}")
+        attempts = 0
+        while True:
+            attempts += 1
+            rc, text = await run.run_cli("fork", run.url, run.fork_url, "--at-step", at, name="fork")
+            if rc == 0 or attempts == 10:
+                break
+            run.counts["fork_retries"] += 1
+        if rc != 0 or "forked" not in text:
+            run.failures.append(f"fork: exit {rc} in {attempts} attempts\n{text}")
+            return True
+        head = st.head
+        st = await run.refresh()
+        hold = next((f.hold for f in st.forks if f.url == run.fork_url), None)
+        if hold is None:
+            run.failures.append(f"fork: the source does not list the fork: {st.forks}")
+            return True
+        fst = await checker.fork_state(run)
+        resume = checker.cursors_before_fork(run, at)
+        run.fork_info = {
+            "at_step": at, "hold": hold, "attempts": attempts, "head": head,
+            "steps": [run.history[s] for s in range(at) if s in run.history],
+            "skipped": [k for k in st.skipped if k.at < at - 1],
+            "cursors": {pid: p.cursor for pid, p in fst.producers.items()},
+            "resume": {pid: checker.cursor_position(resume.get(pid)) for pid in run.sources},
+        }  # fmt: skip
+        run.failures.extend(checker.check_fork_shares_the_source_steps(run, fst))
+        for p in run.producers:
+            q = ProducerSlot(p.pid, p.src, p.files, p.inflight, p.policy, fork=True, restart_at=time.monotonic())
+            q.expect_resume = run.fork_info["resume"][p.pid]
+            run.fork_producers.append(q)
+        self.fork_kill_at = time.monotonic() + run.rng.uniform(1.0, 3.0)
+        return True
+
     # -- the schedule ----------------------------------------------------------------------------
 
     async def tick_processes(self) -> None:
@@ -222,7 +268,7 @@ class Driver:
         mono = time.monotonic()
         if mono >= schedule["producer"]:
             schedule["producer"] = mono + run.rng.expovariate(1 / run.cfg.producer_kill_every)
-            running = [p for p in run.producers if p.state == "running"]
+            running = [p for p in run.producers + run.fork_producers if p.state == "running"]
             if running:
                 self.producers.kill(run.rng.choice(running))
         if mono >= schedule["reader"]:
@@ -230,6 +276,11 @@ class Driver:
             running_r = [r for r in run.readers if r.state == "running"]
             if running_r:
                 self.readers.kill(run.rng.choice(running_r))
+        if self.fork_kill_at is not None and mono >= self.fork_kill_at:
+            running = [p for p in run.fork_producers if p.state == "running"]
+            if running:
+                self.producers.kill(run.rng.choice(running))
+                self.fork_kill_at = None
         if run.cfg.mount and mono >= schedule["mount"]:
             schedule["mount"] = mono + run.rng.expovariate(1 / run.cfg.mount_kill_every)
             if self.mount.state == "running":
@@ -300,11 +351,14 @@ class Driver:
         inner = lakestream.open_store(run.url)
         run.store = run.faulty(inner, cfg.seed * 1000 + 1)  # checkpoints and the final reads
         await run.open_follower(run.faulty(inner, cfg.seed * 1000 + 2))
+        if cfg.fork:  # the fork's final reads
+            run.fork_store = run.faulty(lakestream.open_store(run.fork_url), cfg.seed * 1000 + 3)
 
         t_chaos = time.monotonic()
         run.fig["setup_s"] = round(t_chaos - t_start, 1)
         chaos_end = t_chaos + cfg.seconds
         rewind_time = t_chaos + cfg.rewind_at * cfg.seconds if cfg.rewind_at > 0 else None
+        fork_time = t_chaos + (cfg.rewind_at or 0.5) * cfg.seconds if cfg.fork else None  # after the rewind
         schedule = {
             "producer": t_chaos + run.rng.expovariate(1 / cfg.producer_kill_every),
             "reader": t_chaos + run.rng.expovariate(1 / cfg.reader_kill_every),
@@ -335,13 +389,21 @@ class Driver:
                                 rewind_time = None
                             else:
                                 rewind_time = mono + 1.0
-                        if mono >= chaos_end and (rewind_time is None or mono >= chaos_end + cfg.seconds):
+                        if (
+                            fork_time is not None and mono >= fork_time and rewind_time is None
+                            and (run.rewind_wall is None or any(t > run.rewind_wall for _, _, t in run.checkpoints))
+                        ):  # fmt: skip
+                            fork_time = None if await self.fork() else mono + 1.0
+                        pending = rewind_time is not None or fork_time is not None or self.fork_kill_at is not None
+                        if mono >= chaos_end and (not pending or mono >= chaos_end + cfg.seconds):
                             run.chaos = False
+                            if fork_time is not None:
+                                run.failures.append("the fork was not made: no checkpoint after the rewind")
                             t_drain = mono
                             drain_deadline = mono + cfg.drain_timeout
                             drain_moved, drain_last_move = (), mono
                             run.out(f"[{run.now():7.1f}] chaos over; draining")
-                            for p in run.producers:
+                            for p in run.producers + run.fork_producers:
                                 p.drain = True
                                 if p.state == "running":
                                     self.producers.kill(p, count=False)
@@ -349,10 +411,11 @@ class Driver:
                     else:
                         assert drain_deadline is not None and t_drain is not None
                         head = run.manifest.state.head
-                        moved = (head, *(r.frontier for r in run.readers))
+                        moved = (head, *(r.frontier for r in run.readers),
+                                 *((p.state, p.incarnations) for p in run.fork_producers))  # fmt: skip
                         if moved != drain_moved:
                             drain_moved, drain_last_move = moved, mono
-                        done = all(p.state == "done" for p in run.producers)
+                        done = all(p.state == "done" for p in run.producers + run.fork_producers)
                         if done and all(r.frontier >= head for r in run.readers) and self.gc.child is None:
                             st = await run.refresh()
                             if st.head == head and all(r.frontier >= head for r in run.readers):
@@ -361,7 +424,7 @@ class Driver:
                             run.failures.append(
                                 f"drain did not finish (it ran {mono - t_drain:.0f} s, the last "
                                 f"{mono - drain_last_move:.0f} s without progress): producers "
-                                f"{[(p.pid, p.state) for p in run.producers]}, head {head}, readers "
+                                f"{[(p.name, p.state) for p in run.producers + run.fork_producers]}, head {head}, readers "
                                 f"{[(r.name, r.state, r.frontier) for r in run.readers]}"
                             )
                             break
@@ -380,7 +443,7 @@ class Driver:
             t_checks = time.monotonic()
         finally:
             self.cleanup()
-            for s in run.inproc[:1]:
+            for s in run.inproc[:1] + ([run.fork_store] if cfg.fork else []):
                 with contextlib.suppress(Exception):
                     await s.aclose()
         end = time.monotonic()
@@ -402,6 +465,11 @@ class Driver:
         run.out(
             f"[{run.now():7.1f}] head {st.head} first {st.first_step} v{st.version}; producers "
             + " ".join(f"{p.pid[-1]}:{p.state[0]}" for p in run.producers)
+            + (
+                " fork " + " ".join(f"{p.pid[-1]}:{p.state[0]}" for p in run.fork_producers)
+                if run.fork_producers
+                else ""
+            )
             + "; readers "
             + " ".join(f"{r.name}:{r.state[0]}{r.frontier}" for r in run.readers)
             + f"; mount {self.mount.state}; ckpts {len(run.checkpoints)} "
@@ -418,9 +486,9 @@ class Driver:
     async def finish(self) -> None:
         """Stop everything, run the final GC (no producer is alive: grace 0 is safe)."""
         run = self.run
-        for p in run.producers:  # only after a failed drain is one still running
+        for p in run.producers + run.fork_producers:  # only after a failed drain is one still running
             if p.child is not None and p.child.kill():
-                run.out(f"[{run.now():7.1f}] {p.pid} still running after the drain: killed")
+                run.out(f"[{run.now():7.1f}] {p.name} still running after the drain: killed")
         for r in run.readers:
             if r.child is not None:
                 r.child.kill(wait=False)
@@ -448,6 +516,14 @@ class Driver:
             run.counts["gc_failed_injected_fault"] += 1
         else:
             run.failures.append(f"final gc failed 10 times:\n{text}")
+        if run.fork_info is not None:  # the fork's own segments only; no producer of it is alive either
+            for _attempt in range(10):
+                rc, text = await run.run_cli("gc", run.fork_url, "--orphan-grace", 0, "--force-grace", name="gc-fork")
+                if rc == 0:
+                    run.fork_info["final_gc"] = text.strip().splitlines()[-1]
+                    break
+            else:
+                run.failures.append(f"final gc of the fork failed 10 times:\n{text}")
         await run.refresh()
 
 
@@ -490,6 +566,9 @@ def main(argv: list[str] | None = None, *, description: str = "") -> int:
     ap.add_argument(
         "--replay", action="store_true", help="the half-way rewind skips 1-2 ranges of steps (--skip-steps): a replay"
     )
+    ap.add_argument(
+        "--fork", action="store_true", help="fork the stream half-way (after the rewind) and produce to the fork too"
+    )
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the work directory even if the run passes")
     ap.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
@@ -500,7 +579,10 @@ def main(argv: list[str] | None = None, *, description: str = "") -> int:
         seconds=seconds, seed=seed, rate=a.rate, orphan_grace=a.orphan_grace, max_steps_ahead=a.max_steps_ahead,
         faults=a.faults, timeout_probability=a.timeouts, mount=not a.no_mount, rewind_at=0 if a.no_rewind else 0.5,
         snapshot_every=64 if seconds > 120 else 16, policies=tuple(a.policies.split(",")), replay=a.replay,
+        fork=a.fork,
     )  # fmt: skip
+    if cfg.fork and cfg.max_steps_ahead:
+        ap.error("--fork needs --max-steps-ahead 0: nothing reads the fork, back-pressure would hold its producers")
     if cfg.mount and not os.access("/dev/fuse", os.R_OK | os.W_OK):
         print("torture: /dev/fuse is not usable: running without the mount", file=sys.stderr)
         cfg.mount = False

@@ -3,7 +3,9 @@ journaled. The code that runs inside each process is in `children.py`.
 
 * producers (`ProducerSlot`, `Producers`): `lakestream produce --from-dir`, restarted with the same
   producer id after a SIGKILL or a "fenced" exit (not after a replay, which fences none); after
-  the rewind, the first incarnation that registers must resume at the checkpoint's cursor;
+  the rewind, the first incarnation that registers must resume at the checkpoint's cursor. The
+  fork's producers (`fork`: same ids, same sources, on the fork's URL) are never fenced; the first
+  incarnation of each that registers must resume at the source's cursor as of the fork step;
 * readers (`ReaderSlot`, `Readers`): a Python reader and a mount reader per rank, restarted where
   their journal's frontier ends; the harness tails their journals;
 * the mount daemon (`Mount`): `lakestream mount`, killed and remounted;
@@ -45,7 +47,13 @@ class ProducerSlot:
     incarnations: int = 0
     kills: int = 0
     fenced: int = 0
-    expect_resume: int | None = None  # cursor the next incarnation must resume at (after a rewind)
+    expect_resume: int | None = None  # cursor the next incarnation must resume at (after a rewind, or on the fork)
+    fork: bool = False  # it produces to the fork
+
+    @property
+    def name(self) -> str:
+        """Its children's name (log files, fault logs)."""
+        return f"fork-{self.pid}" if self.fork else self.pid
 
 
 class Producers:
@@ -54,13 +62,14 @@ class Producers:
 
     def start(self, p: ProducerSlot) -> None:
         run = self.run
-        args = ["cli", "-v", "produce", run.url, "--producer-id", p.pid, "--from-dir", str(p.src),
+        url = run.fork_url if p.fork else run.url
+        args = ["cli", "-v", "produce", url, "--producer-id", p.pid, "--from-dir", str(p.src),
                 "--max-inflight-bytes", str(p.inflight), "--commit-policy", p.policy]  # fmt: skip
         if not p.drain and run.cfg.rate > 0:
             args += ["--rate", str(run.cfg.rate)]
         if p.drain:  # no rate, and TGBs pipelined into group commits: the drain is over quickly
             args[args.index("--max-inflight-bytes") + 1] = str(1 << 20)
-        p.child = run.spawn("producer", p.pid, args)
+        p.child = run.spawn("producer", p.name, args)
         p.state = "running"
         p.incarnations += 1
 
@@ -73,8 +82,8 @@ class Producers:
         p.child.kill()
         if count:
             p.kills += 1
-            run.counts["kills_producer"] += 1
-        checker.check_resume_after_rewind(run, p)
+            run.counts["kills_fork_producer" if p.fork else "kills_producer"] += 1
+        self.check_resume(p)
         p.state = "restart"
         p.restart_at = time.monotonic() + run.rng.uniform(0, run.cfg.restart_delay)
 
@@ -83,10 +92,10 @@ class Producers:
         assert p.child is not None
         run = self.run
         rc = p.child.popen.returncode
-        checker.check_resume_after_rewind(run, p)
+        self.check_resume(p)
         if rc == 0:
             m = REGISTERED.search(p.child.text())
-            if m is not None and p.pid in run.fenced_below and int(m[2]) < run.fenced_below[p.pid]:
+            if m is not None and not p.fork and p.pid in run.fenced_below and int(m[2]) < run.fenced_below[p.pid]:
                 run.failures.append(f"{p.pid} epoch {m[2]}, fenced by the rewind, exited 0\n{p.child.tail()}")
             p.state = "done"
             return
@@ -97,6 +106,7 @@ class Producers:
             and "fenced" in text
             and run.rewind_mono is not None
             and not run.cfg.replay  # a replay fences no producer
+            and not p.fork  # nothing fences the fork's
             and (m is None or checker.registered_before_rewind(run, p, m))
         ):
             p.fenced += 1
@@ -108,8 +118,14 @@ class Producers:
         p.state = "restart"
         p.restart_at = time.monotonic() + run.rng.uniform(0, run.cfg.restart_delay)
 
+    def check_resume(self, p: ProducerSlot) -> None:
+        if p.fork:
+            checker.check_fork_producer_resumes_at_the_fork_step(self.run, p)
+        else:
+            checker.check_resume_after_rewind(self.run, p)
+
     def tick(self, mono: float) -> None:
-        for p in self.run.producers:
+        for p in self.run.producers + self.run.fork_producers:
             if p.state == "running" and p.child is not None and p.child.poll() is not None:
                 self.on_exit(p)
             if p.state == "restart" and mono >= p.restart_at:
