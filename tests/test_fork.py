@@ -217,3 +217,31 @@ async def test_a_fork_producer_killed_and_run_again_commits_each_sample_once(str
     await lakestream.delete(new)
     assert (await lakestream.load_state(src)).forks == []
     await lakestream.delete(src)
+
+
+async def test_a_fork_goes_on_under_the_mixture_it_inherited_then_its_own_mixture_and_shape(tmp_path: Path) -> None:
+    src, new = f"file://{tmp_path}/s", f"file://{tmp_path}/f"
+    await lakestream.create(src, world_size=2, global_batch=4)
+    await lakestream.mix(src, {"a": 3, "b": 1})
+
+    async def write(url: str, steps: int, run: str, shares: dict[str, int]) -> None:
+        async with lakestream.open_producer(url, "p") as p:
+            for n in range(steps):
+                version, _ = p.mix_now()
+                for name, k in shares.items():
+                    for i in range(k):
+                        key = f"{name}-{run}-{n}-{i}"
+                        await p.put({"__key__": key, "__source__": name}, cursor=key, source=name, mix=version)
+
+    await write(src, 3, "src", {"a": 3, "b": 1})
+    await lakestream.fork(src, new, at_step=2)
+    await write(new, 2, "fork", {"a": 3, "b": 1})  # under the mixture it inherited (version 0)
+    state = await lakestream.load_state(new)
+    assert state.mix_at(state.head) is not None and state.mix_at(state.head).version == 0 and state.head == 3
+    await lakestream.mix(new, {"a": 1, "b": 1})
+    await lakestream.reshape(new, 1, global_batch=2)
+    await write(new, 2, "own", {"a": 1, "b": 1})
+    state = await lakestream.load_state(new)
+    assert state.head == 5 and [s.samples for s in state.steps] == [4, 4, 4, 4, 2, 2]
+    assert (await lakestream.verify(new)).ok and (await lakestream.verify(src)).ok
+    assert (await lakestream.load_state(src)).mixes[-1].weights == (("a", 3.0), ("b", 1.0))  # the source's own
