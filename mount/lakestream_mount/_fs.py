@@ -102,7 +102,7 @@ META = -1  # the file index of `_meta.json`
 BATCH = -2  # the index of a step's `_batch` directory in its listing
 FOREVER = 24 * 3600.0
 EXPIRED_GRACE = 0.5  # seconds a step whose wait ran out is reported missing without a new wait
-INTERRUPT_POLL = 0.2  # seconds between looks at whether a waiting request's caller got a signal
+INTERRUPT_POLL = 0.5  # seconds between looks at whether a waiting request's caller got a signal
 POLL_FAST_FOR = 1.0  # seconds the log is read every `poll_min` after it moved or a wait started
 STATUS_NAME = layout.STATUS_NAME.encode()
 META_NAME = layout.META_NAME.encode()
@@ -442,7 +442,7 @@ class LakeFS(pyfuse3.Operations):
         prefetch: int = 2,
         cache_size: int = 1 << 30,
         wait: float = 60.0,
-        poll_interval: tuple[float, float] = (0.002, 0.25),
+        poll_interval: tuple[float, float] = (0.002, 0.5),
         retry_interval: tuple[float, float] = (0.5, 10.0),
         mountpoint: str = "",
     ) -> None:
