@@ -12,7 +12,6 @@ Errors of background work surface at the next `put`, `flush` or `close`.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import math
@@ -349,17 +348,16 @@ class Producer:
             data = datas.get(v) or await self.manifest.read_version(v)
             if data is None or self._token.encode() not in data:
                 continue  # (the bytes say so without decoding a group of thousands of slices)
-            # Only its own register is decoded: a combiner's group, which every reader decodes
-            # whole, holds thousands of others' slices (a malformed one would be a no-op for all,
-            # and a producer that took it for its register finds itself fenced, not registered).
-            with contextlib.suppress(ValueError, TypeError, AttributeError, RecordError):
-                record = orjson.loads(data)
-                if record.get("kind") == "group":
-                    for r in record["records"]:
-                        if r.get("kind") == "register" and r.get("token") == self._token:
-                            reg = decode_record(orjson.dumps(r))
-                            if isinstance(reg, RegisterRecord) and reg.producer == self.id and reg.resume:
-                                return v, reg.epoch, reg.resume
+            # The group is decoded whole, as every reader decodes it (a malformed one is a no-op
+            # for all, and registers nobody); the producers of one process registered by it share
+            # the decoded record (`decode_record`).
+            try:
+                record = decode_record(data)
+            except RecordError:
+                continue
+            for r in record.records if isinstance(record, GroupRecord) else ():
+                if isinstance(r, RegisterRecord) and r.token == self._token and r.producer == self.id and r.resume:
+                    return v, r.epoch, r.resume
         return None
 
     def _registered(self) -> None:

@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import orjson
 
@@ -151,6 +151,16 @@ class Resume:
     seq: int
     cursor: Any
     batch: int
+
+
+class RankSlice(NamedTuple):
+    """Where one rank's part of a TGB lives in its segment (a tuple: every reader builds hundreds
+    of these a step)."""
+
+    offset: int
+    length: int
+    digest: int  # the slice's checksum (of the kind its Step names)
+    samples: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -534,7 +544,7 @@ def _tgb(f: _Fields, t: Any) -> TgbRef:
         rs = next(rs for rs in ranks if not (isinstance(rs, list) and len(rs) == 4
                                              and all(type(x) is int and x >= 0 for x in rs)))  # fmt: skip
         raise RecordError(f"{f.what}: bad rank slice {rs!r:.100}")
-    out = list(map(tuple, ranks))
+    out = list(map(RankSlice._make, ranks))  # what `State` keeps: made once per process (`decode_record`)
     checksum = t.get("checksum", "crc32")
     f.need(isinstance(checksum, str) and checksum in CHECKSUM_BITS, f"{f.what}: unknown checksum {checksum!r:.40}")
     mix, sources = t.get("mix"), t.get("sources")

@@ -56,7 +56,8 @@ import functools
 import hashlib
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from itertools import accumulate
+from typing import Any
 
 import orjson
 
@@ -80,6 +81,7 @@ from ._records import (
     GroupRecord,
     JobRecord,
     MixRecord,
+    RankSlice,
     ReclaimRecord,
     Record,
     RecordError,
@@ -108,16 +110,6 @@ __all__ = [
     "State",
     "Step",
 ]
-
-
-class RankSlice(NamedTuple):
-    """Where one rank's part of a TGB lives in its segment (a tuple: every reader builds hundreds
-    of these a step)."""
-
-    offset: int
-    length: int
-    digest: int  # the slice's checksum (of the kind its Step names)
-    samples: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +211,35 @@ class _Reject(Exception):
 def _need(cond: bool, why: str) -> None:
     if not cond:
         raise _Reject(why)
+
+
+def _tiled_samples(t: TgbRef, what: str) -> int:
+    """The samples of `t`'s rank slices, which must tile its segment from offset 0 in rank order
+    and have checksums of their width (`_Reject` otherwise). Every follower checks every step's
+    hundreds of slices: the checks are C-level passes, the loop only says which slice failed."""
+    offsets, lengths, digests, counts = zip(*t.ranks, strict=True) if t.ranks else ((), (), (), ())
+    if (
+        offsets[:1] in ((), (0,))
+        and list(offsets[1:]) == list(accumulate(lengths[:-1]))
+        and max(lengths, default=0) < 1 << 62
+        and max(digests, default=0) < 1 << CHECKSUM_BITS[t.checksum]
+    ):
+        return sum(counts)
+    end = 0
+    for rs in t.ranks:
+        offset, length, crc, _ = rs
+        _need(offset == end and length < 1 << 62 and crc < 1 << CHECKSUM_BITS[t.checksum],
+              f"{what}: rank slice {list(rs)!r} does not follow the previous one at {end}")  # fmt: skip
+        end += length
+    raise AssertionError("unreachable: a slice failed the checks above")  # pragma: no cover
+
+
+def rank_slices(ranks: tuple[tuple[int, int, int, int], ...]) -> tuple[RankSlice, ...]:
+    """`ranks` as RankSlices: as they are when decoded (`_records`, once per process for every
+    follower), else converted."""
+    if type(ranks) is tuple and set(map(type, ranks)) <= {RankSlice}:
+        return ranks  # type: ignore[return-value]
+    return tuple(map(RankSlice._make, ranks))
 
 
 def _int(v: Any, lo: int = 0) -> bool:
@@ -578,15 +599,8 @@ class State:
             _need(len(t.ranks) <= LIMITS["world_size"][1], f"commit {pid}: {len(t.ranks)} rank slices")
             # Slices tile the segment from offset 0 in rank order (as the codec writes them), hold at
             # most a global batch, and have checksums of their width: whatever reads them may rely on it.
-            end = samples = 0
             batch = self.batch_at(self.head + 1 + i)
-            bits = CHECKSUM_BITS[t.checksum]
-            for rs in t.ranks:
-                offset, length, crc, n = rs
-                _need(offset == end and length < 1 << 62 and crc < 1 << bits,
-                      f"commit {pid}: rank slice {list(rs)!r} does not follow the previous one at {end}")  # fmt: skip
-                end += length
-                samples += n
+            samples = _tiled_samples(t, f"commit {pid}")
             _need(0 < samples <= batch, f"commit {pid}: a TGB of {samples} samples (global batch {batch})")
             self._validate_mix(pid, self.head + 1 + i, t, samples, batch)
 
@@ -698,7 +712,7 @@ class State:
                         producer=r.producer,
                         epoch=r.epoch,
                         seq=r.seq + i,
-                        ranks=tuple(map(RankSlice._make, t.ranks)),
+                        ranks=rank_slices(t.ranks),
                         cursor=t.cursor,
                         ts=r.ts,
                         checksum=t.checksum,

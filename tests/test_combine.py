@@ -420,6 +420,43 @@ async def test_a_registering_producer_reads_the_version_that_registers_it_not_th
                 assert p.manifest.state.version == since and p.manifest.requests - loaded <= 4
 
 
+async def test_a_registering_producer_takes_no_register_from_a_group_that_is_a_noop_for_readers() -> None:
+    """The version that holds a producer's register is decoded as every reader decodes it: a group
+    with a malformed record registers nobody, so the producer does not take its register from it."""
+    store = MemoryStore()
+    await lakestream.create(store, world_size=W, global_batch=2)
+    m = Manifest(store)
+    await m.load()
+    await m.append(lambda st, _: decisions.register(st, "a", "t-a", 0.0))
+    p = lakestream.Producer(store, "b", combine=True)
+
+    async def land() -> None:
+        with anyio.fail_after(10):
+            while not await store.list("_lakestream/intents/b/r-"):
+                await anyio.sleep(0.01)
+        await store.put(intent_key("a", 1, 0), encode_record(intent("a", 1, 0)))
+        result = await Combiner(m).round(None, 1.0)  # registers b and commits a's TGB in one group
+        assert result is not None and result.version is not None
+        key = f"_lakestream/log/{result.version:020d}.json"
+        data = await store.get(key)
+        assert b'"kind":"group"' in data and b'"segment":"segments/a/' in data
+        await store.put(key, data.replace(b'"segment":"segments/a/', b'"segment":7,"x":"'))  # a's commit: malformed
+        with pytest.raises(RecordError):
+            decode_record(await store.get(key))
+        await m.write_tail(m.state)
+
+    fenced = False
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(land)
+            try:
+                await p.__aenter__()
+                await p.aclose()
+            except lakestream.ProducerFenced:
+                fenced = True
+    assert fenced and "b" not in (await lakestream.load_state(store)).producers
+
+
 async def test_a_combining_producer_starts_from_the_snapshot_unless_the_log_after_it_changed_the_rules() -> None:
     store = MemoryStore()
     await lakestream.create(store, world_size=1, global_batch=1)

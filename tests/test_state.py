@@ -663,3 +663,59 @@ def test_jobs_checkpoints_round_trip_and_each_job_keeps_its_newest(ops_: list[tu
         assert steps == sorted(steps) and len(steps) <= 2
     assert s.watermark == min((c.step for c in s.checkpoints), default=-1)
     assert {c.job for c in s.checkpoints} <= {"main", *s.jobs}
+
+
+def _tiles(ranks: list[tuple[int, int, int, int]], bits: int) -> int | None:
+    """The rank-slice rule by its definition: slices tile the segment from offset 0 in rank order
+    and have checksums of their width; the samples they hold, or None."""
+    end = samples = 0
+    for offset, length, crc, n in ranks:
+        if offset != end or length >= 1 << 62 or crc >= 1 << bits:
+            return None
+        end, samples = end + length, samples + n
+    return samples
+
+
+slice_values = st.one_of(st.integers(0, 40), st.sampled_from([(1 << 32) - 1, 1 << 32, (1 << 62) - 1, 1 << 62]))
+
+
+@settings(max_examples=300)
+@given(
+    st.lists(st.tuples(slice_values, slice_values, slice_values, st.integers(1, 3)), min_size=1, max_size=3),
+    st.booleans(),
+    st.booleans(),
+)
+def test_a_commit_takes_effect_exactly_when_its_rank_slices_tile_the_segment(
+    raw: list[tuple[int, int, int, int]], tile: bool, wide: bool
+) -> None:
+    ranks = list(raw)  # (at most 3 slices: their offsets stay below 2**64, as JSON integers must)
+    if tile:  # (drawn at random, slices almost never tile: make them, keeping the lengths drawn)
+        end = 0
+        for i, (_, length, crc, n) in enumerate(ranks):
+            ranks[i], end = (end, length, crc, n), end + length
+    checksum = "xxh3-64" if wide else "crc32"
+    s = State()
+    s.apply(0, encode_record(CreateRecord(Config(world_size=len(ranks), global_batch=64))))
+    s.apply(1, register("a", 1))
+    t = TgbRef("segments/a/1-0-x.tgb", tuple(ranks), None, checksum=checksum)
+    s.apply(2, encode_record(CommitRecord("a", 1, 0, (t,))))
+    samples = _tiles(ranks, 64 if wide else 32)
+    assert s.head == (0 if samples is not None else -1)
+    if samples is not None:
+        assert s.steps[0].ranks == tuple(ranks) and sum(r.samples for r in s.steps[0].ranks) == samples
+
+
+def test_followers_of_one_process_share_a_decoded_steps_rank_slices() -> None:
+    """A group's TGBs are decoded once per process (`decode_record`) and every follower's step
+    keeps their rank slices as decoded, rather than building hundreds of its own a step."""
+    ranks = tuple((10 * i, 10, i, 1) for i in range(64))
+    records = [RegisterRecord(f"p{i}", 1, "t") for i in range(8)]
+    records += [CommitRecord(f"p{i}", 1, 0, (TgbRef(f"segments/p{i}/1-0-x.tgb", ranks, None),)) for i in range(8)]
+    group = encode_record(GroupRecord(tuple(records), 1.0))
+    a, b = State(), State()
+    for s in (a, b):
+        s.apply(0, encode_record(CreateRecord(Config(world_size=64, global_batch=64))))
+        s.apply(1, bytes(bytearray(group)))  # each follower reads its own copy of the bytes
+    assert a.head == b.head == 7
+    assert all(x.ranks is y.ranks and x.ranks == ranks for x, y in zip(a.steps, b.steps, strict=True))
+    assert a.steps[0].ranks[1].offset == 10
