@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+import clifork
+
 __all__ = [
     "LAKESTREAM",
     "cli_env",
@@ -28,11 +30,17 @@ __all__ = [
     "read_out_dir",
     "run_cli",
     "spawn_cli",
+    "stop_fork_server",
     "wait_until",
 ]
 
 #: The command line that runs the CLI of the interpreter running the tests.
 LAKESTREAM = [sys.executable, "-m", "lakestream._cli"]
+
+#: Whether `run_cli` starts a fresh interpreter for every command rather than forking one (clifork.py, which
+#: needs Linux: pidfds and abstract Unix sockets).
+FRESH = os.environ.get("LAKESTREAM_TEST_FRESH_CLI", "") not in ("", "0") or not hasattr(os, "pidfd_open")
+_fork_server = clifork.Server()
 
 T = TypeVar("T")
 
@@ -54,21 +62,36 @@ def cli_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def run_cli(
-    *args: Any, env: Mapping[str, str] | None = None, timeout: float = 120.0, check: bool | None = None
+    *args: Any,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120.0,
+    check: bool | None = None,
+    fresh: bool = FRESH,
 ) -> subprocess.CompletedProcess[str]:
     """Run `lakestream ARGS...` to completion; stdout and stderr captured as text.
 
-    `check=True` asserts exit 0, `check=False` asserts a non-zero exit, None checks nothing.
+    `check=True` asserts exit 0, `check=False` asserts a non-zero exit, None checks nothing. The command
+    runs in a fork of a process that has imported the CLI (clifork.py), which behaves as a fresh
+    `python -m lakestream._cli` at a fraction of the CPU; `fresh=True` (or LAKESTREAM_TEST_FRESH_CLI=1 for
+    every call) starts a fresh interpreter.
     """
-    argv = [*LAKESTREAM, *map(str, args)]
-    r = subprocess.run(
-        argv, env=cli_env(env), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
-    )
+    if fresh:
+        argv = [*LAKESTREAM, *map(str, args)]
+        r = subprocess.run(
+            argv, env=cli_env(env), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+        )
+    else:
+        r = _fork_server.run([str(a) for a in args], cli_env(env), timeout)
     if check is True:
         assert r.returncode == 0, describe(r)
     elif check is False:
         assert r.returncode != 0, describe(r)
     return r
+
+
+def stop_fork_server() -> None:
+    """End this process's CLI fork server, if it started one (conftest.py, as the session ends)."""
+    _fork_server.close()
 
 
 def describe(r: subprocess.CompletedProcess[str]) -> str:

@@ -567,11 +567,11 @@ def test_integers_out_of_range_are_usage_errors(produced: tuple[str, dict[str, b
 
 
 def test_help_lists_defaults_url_forms_and_examples() -> None:
-    r = run_cli("--help", check=True)
+    r = run_cli("--help", check=True, fresh=True)  # the real entry point, as some tests run it
     for form in ("file://PATH", "s3://BUCKET/PREFIX", "memory://"):
         assert form in r.stdout, describe(r)
     assert "examples:" in r.stdout and r.stdout.rstrip().splitlines()[-3].strip().startswith("lakestream demo")
-    r = run_cli("--version", check=True)
+    r = run_cli("--version", check=True, fresh=True)
     assert r.stdout.strip() == f"lakestream {importlib.metadata.version('lakestream')}", describe(r)
 
     from lakestream._cli import _parser

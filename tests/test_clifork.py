@@ -1,0 +1,74 @@
+"""`run_cli` runs the CLI in a fork of a server that has imported it (clifork.py): the fork must behave as
+the fresh `python -m lakestream._cli` it stands for, which every test of the command line relies on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import cliutil
+import pytest
+from cliutil import describe, run_cli
+
+pytestmark = pytest.mark.skipif(cliutil.FRESH, reason="run_cli starts fresh interpreters here")
+
+MAP_MODULE = """
+import os
+
+def fn(sample):
+    return {**sample, "env": os.environ["MAP_ENV"].encode()}
+"""
+
+
+def same(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `lakestream ARGS` forked and fresh; assert the same exit status, stdout and stderr."""
+    forked = run_cli(*args, env=env)
+    fresh = run_cli(*args, env=env, fresh=True)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr), (
+        f"forked: {describe(forked)}\nfresh: {describe(fresh)}"
+    )
+    return forked
+
+
+def test_a_forked_command_has_the_exit_status_and_output_of_a_fresh_one(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/s"
+    assert same("--version").stdout.startswith("lakestream ")
+    assert same("--help", env={"COLUMNS": "60"}).returncode == 0  # argparse wraps at $COLUMNS, read as it runs
+    assert same("status", url).returncode == 1  # no stream: one line on stderr
+    assert same("init", url, "--world-size", "two").returncode == 2  # a usage error, from argparse
+    run_cli("init", url, "--world-size", "1", "--global-batch", "2", check=True)
+    run_cli("produce", url, "--producer-id", "p", "--synthetic", "6", check=True)
+    assert same("status", url, "--json").returncode == 0
+    assert same("read", url, "--rank", "0", "--to-step", "2", "--json").stdout.count("\n") == 4  # 3 steps, summary
+    r = same("status", "s3://bucket/s", env={"LAKESTREAM_S3_CLIENT": "nosuch"})  # read from the environment
+    assert r.returncode == 1 and "LAKESTREAM_S3_CLIENT='nosuch'" in r.stderr, describe(r)
+
+
+def test_a_forked_command_imports_from_its_own_pythonpath_and_sees_its_environment(tmp_path: Path) -> None:
+    (tmp_path / "mod").mkdir()
+    (tmp_path / "mod" / "envmap.py").write_text(MAP_MODULE)
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "mod"), os.environ.get("PYTHONPATH", "")]), "MAP_ENV": "x"}
+    for name, fresh in (("forked", False), ("fresh", True)):
+        url = f"file://{tmp_path}/{name}"
+        run_cli("init", url, "--world-size", "1", "--global-batch", "2", check=True, fresh=fresh)
+        run_cli("produce", url, "--producer-id", "p", "--synthetic", "4", "--map", "envmap:fn",
+                env=env, check=True, fresh=fresh)  # fmt: skip
+        out = run_cli("read", url, "--rank", "0", "--to-step", "1", "--out", tmp_path / f"{name}-out", check=True)
+        assert out.returncode == 0
+    forked, fresh = (cliutil.read_out_dir(tmp_path / f"{name}-out") for name in ("forked", "fresh"))
+    assert forked == fresh and [data for name, data in forked[0].items() if name.endswith(".env")] == [b"x", b"x"]
+    r = run_cli("produce", f"file://{tmp_path}/forked", "--producer-id", "q", "--synthetic", "4", "--map", "envmap:fn")
+    assert r.returncode == 1 and "envmap" in r.stderr, describe(r)  # not on this command's path
+
+
+def test_a_forked_command_past_its_timeout_is_killed(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/s"
+    run_cli("init", url, "--world-size", "1", "--global-batch", "2", check=True)
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_cli("read", url, "--rank", "0", "--to-step", "0", timeout=3)  # waits for a step nobody produces
+    server = cliutil._fork_server._proc
+    assert server is not None and server.poll() is None
+    children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
+    assert children == [], f"the killed command is still running: {children}"
+    assert same("status", url).returncode == 0  # and the server serves the next command
