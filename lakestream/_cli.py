@@ -453,8 +453,9 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("delete", help="delete a stream: its log, snapshots and segments", description=(
         "Delete every object of the stream. Refuses while producers of it are live (wrote a record in the last two "
-        "minutes), a training job read it in the last minute, or forks read its steps; deleting a fork releases its source's steps. What a delete cut short "
-        "leaves is a valid, older stream (or none): run it again to finish."
+        "minutes), a training job read it in the last minute, or forks read its steps; deleting a fork releases "
+        "its source's steps. What a delete cut short leaves is a valid, older stream (or none): run it again to "
+        "finish."
     ))  # fmt: skip
     p.add_argument("url", help=url_help)
     p.add_argument("--yes", action="store_true", help="really delete (without it: say what would be deleted)")

@@ -193,16 +193,23 @@ def registered_before_rewind(run: Run, p: ProducerSlot, m: re.Match[str]) -> boo
 def check_resume_after_rewind(run: Run, p: ProducerSlot) -> None:
     """After a rewind, the first incarnation that registers must resume at the rewind's cursor
     (called as each incarnation ends; counts the resumes checked)."""
-    if p.expect_resume is None or p.child is None or run.rewind_mono is None:
+    if run.rewind_mono is not None:
+        _check_first_resume(run, p, f"{p.pid}: after the rewind it", "resumes_checked_after_rewind", after_rewind=True)
+
+
+def _check_first_resume(run: Run, p: ProducerSlot, who: str, counter: str, *, after_rewind: bool = False) -> None:
+    """The incarnation that just ended registered at `p.expect_resume` (if it registered, after
+    the rewind with `after_rewind`): counted in `counter`, else a failure of `who` resumed at …."""
+    if p.expect_resume is None or p.child is None:
         return
     m = REGISTERED.search(p.child.text())
-    if m is None or registered_before_rewind(run, p, m):
+    if m is None or (after_rewind and registered_before_rewind(run, p, m)):
         return
     got = cursor_position(json.loads(m[3]))
     if got != p.expect_resume:
-        run.failures.append(f"{p.pid}: after the rewind it resumed at {got}, expected {p.expect_resume}")
+        run.failures.append(f"{who} resumed at {got}, expected {p.expect_resume}")
     else:
-        run.counts["resumes_checked_after_rewind"] += 1
+        run.counts[counter] += 1
     p.expect_resume = None
 
 
@@ -223,17 +230,7 @@ def check_fork_producer_resumes_at_the_fork_step(run: Run, p: ProducerSlot) -> N
     """A fork's producers resume exactly where the source's were at the fork step: the first
     incarnation of each that registers on the fork resumes at that cursor (called as each
     incarnation ends; counts the resumes checked)."""
-    if p.expect_resume is None or p.child is None:
-        return
-    m = REGISTERED.search(p.child.text())
-    if m is None:
-        return
-    got = cursor_position(json.loads(m[3]))
-    if got != p.expect_resume:
-        run.failures.append(f"{p.name}: its first incarnation on the fork resumed at {got}, expected {p.expect_resume}")
-    else:
-        run.counts["fork_resumes_checked"] += 1
-    p.expect_resume = None
+    _check_first_resume(run, p, f"{p.name}: its first incarnation on the fork", "fork_resumes_checked")
 
 
 def check_fork_shares_the_source_steps(run: Run, fst: Any) -> list[str]:

@@ -86,14 +86,7 @@ class Driver:
         ck = run.rng.choice(st.checkpoints)
         head_before, rewinds_before = st.head, st.rewinds
         run.out(f"[{run.now():7.1f}] rewind to checkpoint {ck.id} at step {ck.step} (head {head_before})")
-        # the trainer stops: the mount readers stop; the Python readers are left to notice
-        for r in run.readers:
-            if r.kind == "mnt" and r.state == "running":
-                self.readers.kill(r, count=False, hold=True)
-            elif r.kind == "mnt":
-                r.state = "held"
-        run.rewind_mono = time.monotonic()
-        run.rewind_wall = time.time()
+        self.trainer_stops()
         rc, text = await run.run_cli("rewind", run.url, "--to-checkpoint", ck.id, name="rewind")
         if rc != 0:
             run.failures.append(f"rewind exit {rc}\n{text}")
@@ -125,6 +118,17 @@ class Driver:
             # a running producer must now exit with "fenced": Producers.on_exit checks it
         await anyio.lowlevel.checkpoint()
 
+    def trainer_stops(self) -> None:
+        """Before a rewind or replay the trainer stops: the mount readers are held (until the mount
+        shows it), the Python readers are left to notice it; the moment is noted."""
+        for r in self.run.readers:
+            if r.kind == "mnt" and r.state == "running":
+                self.readers.kill(r, count=False, hold=True)
+            elif r.kind == "mnt":
+                r.state = "held"
+        self.run.rewind_mono = time.monotonic()
+        self.run.rewind_wall = time.time()
+
     def skip_ranges(self, first: int, last: int) -> tuple[tuple[int, int], ...]:
         """1 or 2 random ranges of steps in first..last (inclusive), rising and disjoint; every
         step skipped only when there is one."""
@@ -155,13 +159,7 @@ class Driver:
         spec = ",".join(f"{a}-{b}" for a, b in skip)
         run.out(f"[{run.now():7.1f}] replay from checkpoint {ck.id} at step {ck.step} (head {head_before}), "
                 f"skipping steps {spec}")  # fmt: skip
-        for r in run.readers:  # as for a rewind: the mount readers stop, the Python readers notice
-            if r.kind == "mnt" and r.state == "running":
-                self.readers.kill(r, count=False, hold=True)
-            elif r.kind == "mnt":
-                r.state = "held"
-        run.rewind_mono = time.monotonic()
-        run.rewind_wall = time.time()
+        self.trainer_stops()  # as for a rewind
         attempts = 0
         while True:
             attempts += 1
