@@ -378,7 +378,7 @@ def rewind(
             raise ValueError(f"{url}: {e}") from None
         if skip[-1][1] > state.head:
             raise ValueError(f"{url}: cannot skip step {skip[-1][1]}: the head is step {state.head}")
-    _fork_holds(state, target + 1, "rewind to step {target}", url)
+    _fork_holds(state, target + 1, f"rewind to step {target}", url)
     return RewindRecord(target, now, skip)
 
 
