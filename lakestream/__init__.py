@@ -200,7 +200,10 @@ async def verify(target: Target, *, progress: Callable[[str, int, int], None] | 
         async with contextlib.AsyncExitStack() as stack:
             base = None
             if state.base is not None and state.base.epochs:  # a fork: its shared steps are its source's
-                base = await stack.enter_async_context(open_store(state.base.source))
+                try:
+                    base = await stack.enter_async_context(open_store(state.base.source))
+                except (ValueError, ImportError) as e:
+                    raise CorruptData(f"{store.url}: the fork's source cannot be opened: {e}") from None
             report = await verify_state(store, state, progress=progress, base=base)
         report.problems[:0] = m.problems + [p for p in await m.audit_snapshots() if p not in m.problems]
         return report

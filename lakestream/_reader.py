@@ -134,7 +134,9 @@ class Reader:
             raise ValueError(f"rank must be a non-negative integer, got {rank!r}")
         self.job = check_job(job)
         self.store = store
-        self._base: ObjectStore | None = None  # a fork's source's store, opened on its first shared step
+        self._base: tuple[str, ObjectStore] | None = (
+            None  # a fork's source (URL, store), opened on its first shared step
+        )
         self.rank = rank
         self.world_size = world_size
         self._expect = world_size  # the world size the caller asked for (None: whatever each step has)
@@ -215,7 +217,7 @@ class Reader:
         self._fetches.clear()
         base, self._base = self._base, None
         if base is not None:
-            await base.aclose()
+            await base[1].aclose()
         if tg is not None and self.publish_consumed:  # where it stopped, for back-pressure and `lakestream job`
             with anyio.move_on_after(PUBLISH_EVERY, shield=True):
                 await self._publish_once()
@@ -557,18 +559,25 @@ class Reader:
         at = f" of {base.source}" if base is not None and base.holds(entry) else ""
         return f"{self.url} step {entry.step} rank {rank} object {entry.segment}{at}"
 
-    def _store_of(self, entry: Step) -> ObjectStore:
-        """The store holding `entry`'s segment: a fork's shared steps are its source's."""
+    async def _store_of(self, entry: Step, rank: int) -> ObjectStore:
+        """The store holding `entry`'s segment: a fork's shared steps are its source's (a URL read
+        from the store: CorruptData naming the step if it is not one this library opens)."""
         base = self.state.base
         if base is None or not base.holds(entry):
             return self.store
-        if self._base is None or self._base.url != base.source:
-            self._base = open_store(base.source)  # a URL from the store, opened to read segments named alike
-        return self._base
+        if self._base is None or self._base[0] != base.source:
+            try:
+                store = open_store(base.source)  # opened to read segments named alike, nothing else
+            except (ValueError, ImportError) as e:
+                raise CorruptData(f"{self._where(entry, rank)}: the fork's source cannot be opened: {e}") from None
+            old, self._base = self._base, (base.source, store)
+            if old is not None:
+                await old[1].aclose()
+        return self._base[1]
 
     async def _get_slice(self, entry: Step, rank: int) -> bytes:
         r = entry.ranks[rank]
-        store = self._store_of(entry)
+        store = await self._store_of(entry, rank)
         try:
             data = await retry(lambda: store.get_range(entry.segment, r.offset, r.length), attempts=None)
         except ObjectNotFound:

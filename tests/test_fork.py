@@ -246,3 +246,27 @@ async def test_a_fork_goes_on_under_the_mixture_it_inherited_then_its_own_mixtur
     assert state.head == 5 and [s.samples for s in state.steps] == [4, 4, 4, 4, 2, 2]
     assert (await lakestream.verify(new)).ok and (await lakestream.verify(src)).ok
     assert (await lakestream.load_state(src)).mixes[-1].weights == (("a", 3.0), ("b", 1.0))  # the source's own
+
+
+async def test_a_fork_whose_manifest_names_a_source_no_store_opens_is_corrupt_data_naming_the_step(
+    tmp_path: Path,
+) -> None:
+    src, new = f"file://{tmp_path}/s", f"file://{tmp_path}/f"
+    await lakestream.create(src, world_size=1, global_batch=2)
+    async with lakestream.open_producer(src, "p") as p:
+        for i in range(4):
+            await p.put({"__key__": f"k{i}", "txt": b"x"}, cursor=i + 1)
+    await lakestream.fork(src, new, at_step=1)
+    log0 = tmp_path / "f" / "_lakestream" / "log" / f"{0:020d}.json"
+    record = orjson.loads(log0.read_bytes())
+    record["fork"]["source"] = "ftp://elsewhere/s"  # a URL of no store this library opens
+    log0.write_bytes(orjson.dumps(record))
+    state = await lakestream.load_state(new)
+    assert state.base is not None and state.base.source == "ftp://elsewhere/s"
+    async with lakestream.open_reader(new, 0) as r:
+        with pytest.raises(lakestream.CorruptData, match=r"step 0 rank 0 object segments/.* the fork's source cannot"):
+            await r.fetch_raw(state.steps[0], 0)
+    with pytest.raises(lakestream.CorruptData, match="the fork's source cannot be opened"):
+        await lakestream.verify(new)
+    r2 = run_cli("verify", new, check=False)
+    assert r2.returncode != 0 and len(r2.stderr.strip().splitlines()) == 1, describe(r2)
