@@ -51,7 +51,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -597,6 +597,366 @@ def codec_main(a: argparse.Namespace) -> int:
     return 0
 
 
+# -- floor: CPU per sample against the object store's own ---------------------------------------
+
+FLOOR_SHAPE = (3, 224, 224)  # uint8: 147 KiB, the e2e bench's samples
+FLOOR_BATCH = 16  # samples per step, world size 1
+PRODUCER_TARGET = 2.0  # producer CPU <= 2x the PUT floor's
+STREAM_TARGET = 1.5  # StreamDataset (collate) <= 1.5x the GET floor's
+MOUNT_TARGET = 2.5  # MountDataset (collate, trainer + mount daemon) <= 2.5x the GET floor's
+FILE_READER_TARGET = 0.5  # file:// reader MB/s >= 0.5x page-cached plain reads
+
+
+def proc_cpu(pid: int) -> float:
+    """utime + stime of a process (all its threads) so far, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def fuse_usable() -> bool:
+    return (
+        os.path.exists("/dev/fuse") and os.access("/dev/fuse", os.R_OK | os.W_OK) and bool(shutil.which("fusermount3"))
+    )
+
+
+@dataclass
+class FloorStore:
+    """Where one floor run writes: a SeaweedFS bucket (`s3`) or a temp dir (`tmp`)."""
+
+    name: str  # "s3" or "file"
+    s3: SeaweedS3 | None = None
+    tmp: Path | None = None
+    client: Any = None  # the plain obstore client of the floors (s3)
+    bucket: str = ""
+
+    def url(self, name: str) -> str:
+        if self.s3 is not None:
+            return f"s3://{self.bucket}/{name}"
+        assert self.tmp is not None
+        return f"file://{self.tmp}/{name}"
+
+    @property
+    def label(self) -> str:
+        return "SeaweedFS" if self.s3 is not None else "file://"
+
+
+def floor_steps(pool: list[Any]) -> list[Any]:
+    """The distinct steps' bytes as uint8 arrays of (FLOOR_BATCH, *FLOOR_SHAPE), built before any timing."""
+    import numpy as np
+
+    return [np.stack(pool[i : i + FLOOR_BATCH]) for i in range(0, len(pool), FLOOR_BATCH)]
+
+
+async def put_floor(fs: FloorStore, prefix: str, steps: int, step_arrays: list[Any]) -> float:
+    """The PUT floor: each step's bytes (already in memory, one buffer) stored as one object with
+    plain obstore `put` (s3) or written and fsynced to one file (file://). CPU seconds."""
+    import obstore
+
+    c0 = time.process_time()
+    for n in range(steps):
+        data = memoryview(step_arrays[n % len(step_arrays)]).cast("B")
+        if fs.s3 is not None:
+            await obstore.put_async(fs.client, f"{prefix}/{n:06d}", data, use_multipart=False)
+        else:
+            assert fs.tmp is not None
+            fd = os.open(fs.tmp / prefix / f"{n:06d}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                while data:
+                    data = data[os.write(fd, data) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    return time.process_time() - c0
+
+
+async def get_floor(fs: FloorStore, prefix: str, steps: int) -> float:
+    """The GET floor: each step's object fetched whole (obstore `get`, or `open` + `read` of the
+    page-cached file), `np.frombuffer` -> one uint8 tensor per step. CPU seconds from after step 0."""
+    import warnings
+
+    import numpy as np
+    import obstore
+    import torch
+
+    c0 = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: the buffer is read-only
+        for n in range(steps):
+            if n == 1:
+                c0 = time.process_time()
+            if fs.s3 is not None:
+                result = await obstore.get_async(fs.client, f"{prefix}/{n:06d}")
+                data: Any = await result.bytes_async()
+            else:
+                assert fs.tmp is not None
+                with open(fs.tmp / prefix / f"{n:06d}", "rb", buffering=0) as f:  # noqa: ASYNC230 (plain, on purpose)
+                    data = f.read()
+            x = torch.from_numpy(np.frombuffer(data, np.uint8).reshape(FLOOR_BATCH, *FLOOR_SHAPE))
+            assert x.shape[0] == FLOOR_BATCH
+    return time.process_time() - c0
+
+
+async def produce_floor(url: str, steps: int, pool: list[Any]) -> float:
+    """The producer: `open_producer` / `put` of every sample (a uint8 array and a short key) /
+    `close` (everything committed). CPU seconds from the producer's registration to the close."""
+    await lakestream.create(url, world_size=1, global_batch=FLOOR_BATCH)
+    async with lakestream.open_producer(url, "p") as p:
+        c0 = time.process_time()
+        for i in range(steps * FLOOR_BATCH):
+            await p.put({"__key__": f"{i:06d}", "img": pool[i % len(pool)]})
+    return time.process_time() - c0
+
+
+def stream_floor(url: str, steps: int) -> float:
+    """StreamDataset(collate=True) over the stream's steps: CPU seconds from after step 0."""
+    from lakestream.torch import StreamDataset
+
+    c0 = 0.0
+    n = 0
+    for item in StreamDataset(url, rank=0, world_size=1, stop=steps, collate=True):
+        if n == 0:
+            c0 = time.process_time()
+        assert item["img"].shape == (FLOOR_BATCH, *FLOOR_SHAPE)
+        n += 1
+    assert n == steps, n
+    return time.process_time() - c0
+
+
+def mount_floor(fs: FloorStore, url: str, steps: int, logfile: Path) -> tuple[float, float]:
+    """MountDataset(collate=True) through `lakestream mount URL MNT` (a subprocess): (trainer CPU
+    seconds, mount daemon CPU seconds), both from after step 0."""
+    import subprocess
+
+    from lakestream.testing import lakestream_command
+    from lakestream.torch import MountDataset
+
+    assert fs.tmp is not None
+    mnt = fs.tmp / f"mnt-{url.rsplit('/', 1)[1]}"
+    mnt.mkdir()
+    cmd = [*lakestream_command(), "mount", url, str(mnt)]
+    with open(logfile, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (mnt / "_status.json").exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"mount failed: {shlex.join(cmd)}\n{logfile.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.02)
+        c0 = d0 = 0.0
+        n = 0
+        for item in MountDataset(mnt, rank=0, world_size=1, stop=steps, collate=True, timeout=60):
+            if n == 0:
+                c0, d0 = time.process_time(), proc_cpu(proc.pid)
+            assert item["img"].shape == (FLOOR_BATCH, *FLOOR_SHAPE)
+            n += 1
+        assert n == steps, n
+        return time.process_time() - c0, proc_cpu(proc.pid) - d0
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True, timeout=30)
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+async def file_reader_pass(url: str, steps: int) -> tuple[float, float, int]:
+    """`Reader.steps()` (collate) over a file:// stream: (wall seconds, CPU seconds, slice bytes)."""
+    nbytes = 0
+    async with lakestream.open_reader(url, 0, 1, collate=True) as reader:
+        t0, c0 = time.perf_counter(), time.process_time()
+        async for batch in reader.steps(0, steps):
+            nbytes += batch.nbytes
+        return time.perf_counter() - t0, time.process_time() - c0, nbytes
+
+
+def file_plain_pass(root: Path, state: Any) -> tuple[float, float, int]:
+    """Plain `open` + `seek` + `read` of the same byte ranges: (wall seconds, CPU seconds, bytes)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    nbytes = 0
+    for n in range(state.first_step, state.head + 1):
+        entry = state.step(n)
+        r = entry.ranks[0]
+        with open(root.joinpath(*entry.segment.split("/")), "rb", buffering=0) as f:
+            f.seek(r.offset)
+            nbytes += len(f.read(r.length))
+    return time.perf_counter() - t0, time.process_time() - c0, nbytes
+
+
+@dataclass
+class FloorRun:
+    store: str
+    samples: int  # per round, written
+    put: list[float] = field(default_factory=list)  # CPU s per sample, one a round
+    producer: list[float] = field(default_factory=list)
+    get: list[float] = field(default_factory=list)  # from after step 0
+    stream: list[float] = field(default_factory=list)
+    mount_trainer: list[float] = field(default_factory=list)
+    mount_daemon: list[float] = field(default_factory=list)
+    reader_mbs: list[float] = field(default_factory=list)  # file:// only
+    plain_mbs: list[float] = field(default_factory=list)
+    reader_cpu: list[float] = field(default_factory=list)
+    plain_cpu: list[float] = field(default_factory=list)
+
+
+def ratios(xs: list[float], ys: list[float]) -> float:
+    """The median of the per-round ratios x / y."""
+    return median([x / y for x, y in zip(xs, ys)])
+
+
+async def floor_round(fs: FloorStore, k: int, steps: int, pool: list[Any], step_arrays: list[Any], run: FloorRun,
+                      mount: bool, logfile: Path) -> None:  # fmt: skip
+    """One round: every pair measured once, the floor first in even rounds, the library first in odd ones."""
+    per = steps * FLOOR_BATCH
+    after0 = (steps - 1) * FLOOR_BATCH
+    prefix, url = f"floor-{k}", fs.url(f"stream-{k}")
+    if fs.tmp is not None and fs.s3 is None:
+        (fs.tmp / prefix).mkdir()
+    floor_first = k % 2 == 0
+    for which in ("floor", "lib") if floor_first else ("lib", "floor"):
+        if which == "floor":
+            run.put.append(await put_floor(fs, prefix, steps, step_arrays) / per)
+        else:
+            run.producer.append(await produce_floor(url, steps, pool) / per)
+    for which in ("floor", "lib") if floor_first else ("lib", "floor"):
+        if which == "floor":
+            run.get.append(await get_floor(fs, prefix, steps) / after0)
+        else:
+            run.stream.append(await anyio.to_thread.run_sync(stream_floor, url, steps) / after0)
+    if mount:
+        trainer, daemon = await anyio.to_thread.run_sync(mount_floor, fs, url, steps, logfile)
+        run.mount_trainer.append(trainer / after0)
+        run.mount_daemon.append(daemon / after0)
+    if fs.s3 is None:
+        root = Path(url[len("file://") :])
+        state = await lakestream.load_state(url)
+        await file_reader_pass(url, steps)  # both passes once, untimed: the page cache is warm for both
+        file_plain_pass(root, state)
+        for which in ("floor", "lib") if floor_first else ("lib", "floor"):
+            if which == "floor":
+                wall, cpu, nbytes = file_plain_pass(root, state)
+                run.plain_mbs.append(mb_per_s(nbytes, wall))
+                run.plain_cpu.append(cpu / per)
+            else:
+                wall, cpu, nbytes = await file_reader_pass(url, steps)
+                run.reader_mbs.append(mb_per_s(nbytes, wall))
+                run.reader_cpu.append(cpu / per)
+
+
+async def floor_async(a: argparse.Namespace) -> int:
+    import numpy as np
+
+    steps = 4 if a.smoke else 20 if a.quick else 40
+    rounds = a.floor_rounds or (1 if a.smoke else 3 if a.quick else 5)
+    rng = np.random.default_rng(0)
+    pool = [rng.integers(0, 256, FLOOR_SHAPE, dtype=np.uint8) for _ in range(2 * FLOOR_BATCH)]
+    step_arrays = floor_steps(pool)
+    mount = fuse_usable()
+    print()
+    print(
+        f"## Against the object-store floor: uint8 {FLOOR_SHAPE} arrays ({fmt_bytes(math.prod(FLOOR_SHAPE))}) and "
+        f"a short key, {FLOOR_BATCH} a step, world size 1, {steps} steps ({steps * FLOOR_BATCH} samples) a round, "
+        f"{rounds} round(s), floor and library alternating first",
+        flush=True,
+    )
+    if not mount:
+        print("MountDataset rows skipped: /dev/fuse (or fusermount3) is not usable here", flush=True)
+    runs: list[FloorRun] = []
+    with removing(temp_dir()) as tmp:
+        logfile = tmp / "mount.log"
+        for name in a.stores:
+            if name == "s3":
+                with SeaweedS3() as s3:
+                    import obstore.store
+
+                    bucket = s3.new_bucket("").removeprefix("s3://")
+                    env = s3.env()
+                    saved = {k: os.environ.get(k) for k in env}
+                    os.environ.update(env)  # the library (and the mount subprocess) find the server here
+                    try:
+                        client = obstore.store.S3Store(
+                            bucket,
+                            config={
+                                "endpoint": s3.endpoint_url,
+                                "access_key_id": env["AWS_ACCESS_KEY_ID"],
+                                "secret_access_key": env["AWS_SECRET_ACCESS_KEY"],
+                                "region": env["AWS_REGION"],
+                                "virtual_hosted_style_request": False,
+                            },
+                            client_options={"allow_http": True},
+                        )
+                        fs = FloorStore("s3", s3=s3, tmp=tmp, client=client, bucket=bucket)
+                        await obstore.put_async(client, "warm-up", b"x")  # the client's connection
+                        run = FloorRun(fs.label, steps * FLOOR_BATCH)
+                        for k in range(rounds):
+                            await floor_round(fs, k, steps, pool, step_arrays, run, mount, logfile)
+                        runs.append(run)
+                    finally:
+                        for k, v in saved.items():
+                            if v is None:
+                                os.environ.pop(k, None)
+                            else:
+                                os.environ[k] = v
+            else:
+                fs = FloorStore("file", tmp=tmp / "file")
+                fs.tmp.mkdir()  # type: ignore[union-attr]
+                run = FloorRun(fs.label, steps * FLOOR_BATCH)
+                for k in range(rounds):
+                    await floor_round(fs, k, steps, pool, step_arrays, run, mount, logfile)
+                runs.append(run)
+            print(f"  floor rounds on {run.store} done", file=sys.stderr, flush=True)
+
+    def us(xs: list[float]) -> str:
+        return f"{median(xs) * 1e6:,.0f}"
+
+    rows = []
+    for r in runs:
+        put_kind = "obstore put" if r.store == "SeaweedFS" else "write + fsync"
+        get_kind = "obstore get" if r.store == "SeaweedFS" else "read (page cache)"
+        rows.append([r.store, f"producer (open_producer, put, close) / {put_kind}", us(r.producer), us(r.put),
+                     f"{ratios(r.producer, r.put):.2f}"])  # fmt: skip
+        rows.append([r.store, f"StreamDataset(collate=True) / {get_kind}", us(r.stream), us(r.get),
+                     f"{ratios(r.stream, r.get):.2f}"])  # fmt: skip
+        if r.mount_trainer:
+            both = [t + d for t, d in zip(r.mount_trainer, r.mount_daemon)]
+            rows.append([r.store, f"MountDataset(collate=True), trainer + daemon / {get_kind}",
+                         f"{us(r.mount_trainer)} + {us(r.mount_daemon)} = {us(both)}", us(r.get),
+                         f"{ratios(both, r.get):.2f}"])  # fmt: skip
+        if r.reader_cpu:
+            rows.append([r.store, "Reader.steps (collate) / plain open, seek, read", us(r.reader_cpu), us(r.plain_cpu),
+                         f"{ratios(r.reader_cpu, r.plain_cpu):.2f}"])  # fmt: skip
+    print()
+    print("CPU per sample (µs, process and all its threads; the mount daemon's from /proc), median over rounds;")
+    print("ratio: median over rounds of library / floor, measured side by side in each round")
+    print(format_table(["store", "library / floor", "library µs/sample", "floor µs/sample", "ratio"], rows))
+    for r in runs:
+        if r.reader_mbs:
+            print()
+            print(
+                f"file:// throughput: Reader.steps (collate) {median(r.reader_mbs):,.0f} MB/s, plain reads "
+                f"{median(r.plain_mbs):,.0f} MB/s (page cache warm), ratio {ratios(r.reader_mbs, r.plain_mbs):.2f}"
+            )
+    print()
+
+    def verdict(label: str, ratio: float, bound: float, at_most: bool) -> None:
+        ok = ratio <= bound if at_most else ratio >= bound
+        print(f"target {label} {'<=' if at_most else '>='} {bound}x: {'met' if ok else 'NOT met'} ({ratio:.2f}x)")
+
+    for r in runs:
+        if r.store == "SeaweedFS":
+            verdict("producer / PUT floor (SeaweedFS)", ratios(r.producer, r.put), PRODUCER_TARGET, True)
+            verdict("StreamDataset / GET floor (SeaweedFS)", ratios(r.stream, r.get), STREAM_TARGET, True)
+            if r.mount_trainer:
+                both = [t + d for t, d in zip(r.mount_trainer, r.mount_daemon)]
+                verdict("MountDataset + daemon / GET floor (SeaweedFS)", ratios(both, r.get), MOUNT_TARGET, True)
+            else:
+                print("target MountDataset + daemon / GET floor (SeaweedFS): skipped (no usable /dev/fuse)")
+        elif r.reader_mbs:
+            verdict("file:// Reader / plain read MB/s", ratios(r.reader_mbs, r.plain_mbs), FILE_READER_TARGET, False)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer samples per config and one repetition (< 1 min)")
@@ -611,6 +971,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, help="at least this many read passes per rank (default 3, quick 1)")
     ap.add_argument("--min-seconds", type=float, help="at least this long reading per rank (default 0.5, quick 0.1)")
     ap.add_argument("--codec", action="store_true", help="only the codec section: checksums, collate vs per-sample")
+    ap.add_argument("--floor", action="store_true", help="only the floor section: CPU per sample against obstore's")
+    ap.add_argument("--floor-rounds", type=int, help="rounds of the floor section (default 5, quick 3, smoke 1)")
     a = ap.parse_args(argv)
     if a.smoke:  # whole TGBs of 256 KiB: the smallest configuration that still runs every path
         global TGB_BYTES
@@ -641,7 +1003,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"load average at start: {load_average()}", flush=True)
     t0 = time.perf_counter()
-    rc = codec_main(a) if a.codec else anyio.run(main_async, a)
+    if a.codec:
+        rc = codec_main(a)
+    elif a.floor:
+        rc = anyio.run(floor_async, a)
+    else:
+        rc = anyio.run(main_async, a) or anyio.run(floor_async, a)
     print(f"load average at end: {load_average()}; total time {time.perf_counter() - t0:.1f} s")
     return rc
 

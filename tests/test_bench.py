@@ -49,11 +49,25 @@ def test_s3client_bench_smoke() -> None:
 
 
 def test_ingest_bench_smoke() -> None:
-    out = run_bench("ingest.py")
+    out = run_bench("ingest.py", timeout=300.0)  # the floor section starts a second SeaweedFS server and a mount
     for store in ("file://", "SeaweedFS"):
         for producers in (1, 2):  # a row of figures per store and producer count
             assert re.search(rf"^\| {store} +\| +{producers} \| +4 KiB \| +\d+ \(256 KiB\)", out, re.M), (store, out)
     assert "read amplification <= 1.02 on every store: met" in out, out[-3000:]
+    # The floor section: CPU per sample of each path, its floor's and their ratio, then one line per target.
+    floor = out.split("## Against the object-store floor", 1)[1]
+    rows = [("producer", "write + fsync"), ("StreamDataset", "read"), ("Reader.steps", "plain")]
+    rows += [("producer", "obstore put"), ("StreamDataset", "obstore get")]
+    if MOUNT:
+        rows += [("MountDataset", "read"), ("MountDataset", "obstore get")]
+    for path, kind in rows:
+        row = rf"^\| (file://|SeaweedFS) +\| +{path}\S* .*/ {re.escape(kind)}.* \| +[\d,+= ]+ \| +[\d,]+ \| +\d+\.\d\d \|$"
+        assert re.search(row, floor, re.M), (path, kind, floor[-3000:])
+    targets = ["producer / PUT floor", "StreamDataset / GET floor", "file:// Reader / plain read MB/s"]
+    if MOUNT:
+        targets.append("MountDataset \\+ daemon / GET floor")
+    for target in targets:
+        assert re.search(rf"^target {target}.* [<>]= [\d.]+x: (met|NOT met) \(\d+\.\d\dx\)$", floor, re.M), target
 
 
 @pytest.mark.skipif(not MOUNT, reason="needs /dev/fuse")
