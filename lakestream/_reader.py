@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -77,7 +78,8 @@ class RawSlice:
     """One rank's slice of one step (checked), with where each field's bytes are in `data`, and
     its array blocks by field. A field of a block (tag `a`) is its sample's row of the block: the
     array's data, with no `.npy` header (`npy_header(block.dtype, block.shape)` is the one a
-    `.npy` file of it starts with); the block is `block.array(data)`, all rows back to back."""
+    `.npy` file of it starts with); the block is `block.array(data)`, all rows back to back.
+    `data` is `bytes` or a read-only buffer that does not change (an S3 response's)."""
 
     entry: Step
     rank: int
@@ -534,11 +536,12 @@ class Reader:
         return describe_part(data, where, lo, hi)
 
     async def fetch_raw(self, entry: Step, rank: int) -> RawSlice:
-        """Any rank's slice of a committed step, checked and indexed but not decoded."""
+        """Any rank's slice of a committed step, checked and indexed but not decoded: the store's
+        buffer itself if it cannot change (`bytes`, an S3 response's read-only buffer), else a copy."""
         if not 0 <= rank < len(entry.ranks):
             raise ValueError(f"{self.url}: rank {rank} is out of range for world size {len(entry.ranks)}")
         data = await self._get_slice(entry, rank)
-        if not isinstance(data, bytes):  # a mapped file can change after the check: check and keep a copy
+        if _may_change(data):  # a mapped file can change after the check: check and keep a copy
             data = await anyio.to_thread.run_sync(bytes, data)
         where = self._where(entry, rank)
 
@@ -598,6 +601,16 @@ class Reader:
         self.bytes_fetched += len(data)
         self._metrics.fetched(len(data))
         return data
+
+
+def _may_change(data: Any) -> bool:
+    """Whether a buffer a store returned can change after it is checked: a mapped file's range or
+    a writable buffer may; `bytes` and a read-only view of anything else (an S3 response's
+    buffer) may not, and are kept as they are."""
+    if isinstance(data, bytes):
+        return False
+    view = memoryview(data)
+    return not view.readonly or isinstance(view.obj, mmap.mmap)
 
 
 def _samples_of(files: list[FieldRef]) -> list[list[FieldRef]]:

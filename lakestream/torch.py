@@ -551,12 +551,12 @@ class _Ended(lakestream.StepUnavailable):
 class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     """The same items as `StreamDataset`, read with plain file I/O from a `lakestream mount`.
 
-    For step n it lists `MOUNTPOINT/rank-<r>/<n:012d>/` (the mount's lookup waits for the step to
-    be committed, up to its `--wait`; after that this retries until `timeout`, None: forever),
+    For step n it opens `MOUNTPOINT/rank-<r>/<n:012d>/_meta.json` (the mount's lookup of the step
+    directory waits for the step to be committed, up to its `--wait`; after that this retries until `timeout`, None: forever),
     unless the stream is closed before step n (the lookup fails at once and `_status.json` says
     `closed_after`: with `stop=None` the iteration ends there; reading such a step raises
     StepUnavailable),
-    reads `_meta.json` for the keys and files in put order, and decodes every `<key>.<field>` file
+    reads it for the keys and files in put order, and decodes every `<key>.<field>` file
     with `decode_file` (exact with `_meta.json`'s "types", else guessed from the extension).
     With `collate`, a field the mount serves as `_batch/<field>.npy` (`_meta.json`'s "batch": the
     producer stored it as one block) is read with one open and one read, and any other field whose
@@ -679,7 +679,7 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
         misses = 0  # lookups that failed although the step was committed
         while True:
             try:
-                os.listdir(d)  # the lookup waits (up to the mount's --wait) for the step to commit
+                # The lookup of the step directory waits (up to the mount's --wait) for the step to commit.
                 with open(os.path.join(d, META_NAME), "rb") as f:
                     meta = orjson.loads(f.read())
                 break

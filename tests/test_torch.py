@@ -197,6 +197,26 @@ async def test_a_collated_reader_hands_out_views_of_one_copy_of_the_slice(stream
     assert np.shares_memory(x, np.frombuffer(base, np.uint8))
 
 
+async def test_a_raw_slice_is_the_store_buffer_unless_it_can_change(stream_url: str) -> None:
+    """What the mount serves: an S3 response's read-only buffer as it is (no copy of 1 MiB a
+    step), a mapped file's range copied (the file could change after the check)."""
+    await lakestream.create(stream_url, world_size=1, global_batch=2)
+    async with lakestream.open_producer(stream_url, "p") as p:
+        for i in range(2):
+            await p.put({"x": np.full(1 << 19, i, np.uint8)})
+    async with lakestream.open_reader(stream_url, None) as r:
+        entry = r.state.step(0)
+        assert entry is not None and entry.ranks[0].length > 1 << 20  # mapped, on file://
+        raw = await r.fetch_raw(entry, 0)
+    block = raw.blocks["x"].array(raw.data)
+    assert block.shape == (2, 1 << 19) and block[1].min() == 1
+    if stream_url.startswith("file://"):
+        assert isinstance(raw.data, bytes)
+    else:
+        view = memoryview(raw.data)
+        assert not isinstance(raw.data, bytes) and view.readonly and view.nbytes == entry.ranks[0].length
+
+
 def test_start_stop_and_empty_range(stream: str) -> None:
     assert [it["step"] for it in StreamDataset(stream, rank=0, start=3, stop=5)] == [3, 4]
     assert list(StreamDataset(stream, rank=0, start=4, stop=4)) == []
