@@ -34,6 +34,15 @@ per step, world size 1; read twice, the second pass timed, so the page cache is 
 `collate=True` (one tensor per step, views of the fetched slice) and `collate=False` (per-sample
 dicts of tensors, then `torch.stack`, as a trainer would).
 
+With `--floor` it runs only the floor section, which also ends the default run and `--smoke`:
+CPU per sample of the producer (`open_producer` / `put` / `close`), StreamDataset(collate=True)
+and MountDataset(collate=True) through a real `lakestream mount` (the daemon's CPU from /proc
+counted), against obstore PUT / GET of the same bytes (one object per step, turned into one uint8
+tensor with `np.frombuffer`) on SeaweedFS and plain writes / reads on file://, for uint8
+(3, 224, 224) arrays and a short key, 16 a step, world size 1; each pair side by side in
+alternating rounds. Targets: producer <= 2x the PUT floor, StreamDataset <= 1.5x and MountDataset
+(trainer + daemon) <= 2.5x the GET floor (SeaweedFS), file:// Reader >= 0.5x page-cached reads.
+
 Targets (file://): reader MB/s at least 0.5x the plain-read baseline; read amplification <= 1.02.
 The verdicts are printed; nothing is tuned to meet them. The 1-minute load average is printed at
 the start and the end: figures from a machine busy with other work vary a lot.
