@@ -1,9 +1,12 @@
-"""How pytest-xdist hands this suite's tests to its workers (`-n 3 --dist loadgroup`, pyproject.toml).
+"""How pytest-xdist hands this suite's tests to its workers (`-n 4 --dist loadgroup`, pyproject.toml).
 
 xdist's own `loadgroup` groups by the `xdist_group` mark through the node id, which pytest 9.2 no
 longer lets it change (pytest-xdist issue 1386): the marks would be ignored without a word. So the
 groups are named here, by node id, and the controller's scheduler (conftest.py) reads them:
 
+* Four workers for two cores: many tests spend much of their time waiting (on child processes,
+  servers, a cluster starting, sleeps), and a fourth worker fills that time; two runs one after
+  the other beside the same other work took 17 min 44 s with four and 20 min 02 s with three.
 * A group runs on one worker, one test after the other: `ray` holds every test that starts a Ray
   cluster (one cluster on the machine at a time, and test_fleet's module cluster started once);
   `torture` holds the two torture runs (each needs the machine's chaos to happen on time).
