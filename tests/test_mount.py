@@ -631,6 +631,26 @@ def test_the_log_is_read_every_poll_min_for_a_second_after_it_moved_or_a_wait_st
     assert got[2] == pytest.approx(0.5 / 8) and got[-2] == 0.25
 
 
+def test_while_no_request_waits_for_a_step_the_log_is_read_at_most_20_times_a_second(tmp_path: Path) -> None:
+    """A live stream ahead of its trainer: what the mount learns is prefetched, not awaited, so the
+    fast second applies only while a lookup waits (a mount following 10 commits a second read the
+    log 500 times a second, a quarter of a core)."""
+    from lakestream_mount._fs import POLL_UNAWAITED, LakeFS
+
+    url = file_url(tmp_path / "stream")
+    create(url, 1, 1)
+
+    async def delays(waiters: int) -> list[float]:
+        async with lakestream.open_reader(url, None, prefetch=0) as reader:
+            fs = LakeFS(reader, None, poll_interval=(0.002, 0.25))
+            fs._waiters = waiters
+            return [fs.follow_delay(u) for u in (0.0, 0.5, 1.5, 3600.0)]
+
+    assert POLL_UNAWAITED == 0.05
+    assert anyio.run(delays, 1) == [0.002, 0.002, pytest.approx(0.5 / 8), 0.25]  # a lookup waits: as before
+    assert anyio.run(delays, 0) == [0.05, 0.05, pytest.approx(0.5 / 8), 0.25]
+
+
 # -- 4. latest -----------------------------------------------------------------------------------------
 
 

@@ -104,6 +104,7 @@ FOREVER = 24 * 3600.0
 EXPIRED_GRACE = 0.5  # seconds a step whose wait ran out is reported missing without a new wait
 INTERRUPT_POLL = 0.5  # seconds between looks at whether a waiting request's caller got a signal
 POLL_FAST_FOR = 1.0  # seconds the log is read every `poll_min` after it moved or a wait started
+POLL_UNAWAITED = 0.05  # seconds at least between reads of the log while no request waits for a step
 STATUS_NAME = layout.STATUS_NAME.encode()
 META_NAME = layout.META_NAME.encode()
 BATCH_NAME = b"_batch"
@@ -551,7 +552,7 @@ class LakeFS(pyfuse3.Operations):
                 if changed:
                     last_change = now
                     self._applied()
-                with anyio.move_on_after(self.poll_delay(now - max(last_change, self._wait_started))):
+                with anyio.move_on_after(self.follow_delay(now - max(last_change, self._wait_started))):
                     await self._poke.wait()  # a new waiter: look once now
                 if self._poke.is_set():
                     self._poke = anyio.Event()
@@ -565,6 +566,13 @@ class LakeFS(pyfuse3.Operations):
         the wait) is seen `poll_min` after its commit; a stream that stays still costs one read of
         the log per `poll_max` after the first few seconds, however long it waits and whoever waits."""
         return min(self.poll_max, max(self.poll_min, (unchanged - POLL_FAST_FOR) / 8))
+
+    def follow_delay(self, unchanged: float) -> float:
+        """`poll_delay`, and `POLL_UNAWAITED` at the least while no request waits for a step: what
+        comes next is then prefetched, not awaited. A mount following a live stream that its
+        trainer is behind reads the log 20 times a second, not every `poll_min`."""
+        delay = self.poll_delay(unchanged)
+        return delay if self._waiters else max(delay, POLL_UNAWAITED)
 
     def _applied(self) -> None:
         """After the manifest moved: forget what a rewind or reclamation made stale, wake waiters, prefetch."""
