@@ -86,6 +86,15 @@ class Combiner:
         await self._delete(done + bad)
         return result
 
+    def waiting(self, state: State) -> int:
+        """TGBs declared, fetched and not landed on `state` (what back-pressure may be holding)."""
+        n = 0
+        for r in self._intents.values():
+            p = state.producers.get(r.producer)
+            if isinstance(r, CommitRecord) and p is not None and p.epoch == r.epoch:
+                n += max(0, r.seq + len(r.tgbs) - 1 - p.seq)
+        return n
+
     def _done(self, state: State, key: str) -> bool:
         """Whether the intent at `key` can never be committed again: it landed, or was fenced."""
         parsed = parse_intent_key(key)

@@ -83,6 +83,12 @@ HOLD_POLL = (0.01, 0.5)  # a producer held by back-pressure looks again after th
 # it commits them itself (and everything else declared), staying a combiner for a while after.
 COMBINE_EVERY = (0.25, 0.5)  # a round after one that committed at least COMBINE_FULL TGBs; after any other
 COMBINE_FULL = 4
+# A combiner holding declared TGBs for lack of room (the head `max_steps_ahead` past the consumption
+# mark) reads the mark this often, and commits as soon as it frees COMBINE_FULL steps (or all it
+# holds) rather than at its next round: the loop trainer -> mark -> combiner -> readers is what
+# paces a fast trainer at the cap. Before a round that may be short of room, the mark it commits
+# on is at most this old.
+MARK_POLL = 0.1
 # A producer first looks for its declared TGBs after LOOK_FIRST, then every LOOK_EVERY, less often
 # (doubling up to LOOK_MAX) while looks find nothing of its own landed (back-pressure holds them).
 LOOK_FIRST, LOOK_EVERY, LOOK_MAX = 0.75, 0.25, 2.0
@@ -211,6 +217,7 @@ class Producer:
         self._beat = 0  # rounds of this combiner that committed nothing (see `Manifest.read_tail`)
         self._beat_at = -math.inf
         self._last_round = 0  # TGBs the last combine round committed
+        self._held = 0  # declared TGBs the last combine round left for lack of room
         self._looks = 0  # looks in a row that found none of this producer's TGBs landed
         self._caught_up_at = -math.inf
         self._moved_at = 0.0  # when a combiner was last seen at work (or this producer started waiting)
@@ -991,15 +998,29 @@ class Producer:
         try:
             while True:
                 every = COMBINE_EVERY[0] if self._last_round >= COMBINE_FULL else COMBINE_EVERY[1]
-                await anyio.sleep(every * (0.75 + 0.5 * self._rng.random()))
+                await self._wait_for_round(every * (0.75 + 0.5 * self._rng.random()))
                 if self._finished:
                     return
                 if self._leads():
                     await self._combine_round()
                 elif self._clock() < self._combining_until and await self._claimed():
                     await self._combine_round()  # (one that took over stops as soon as another is at work)
+                else:
+                    self._held = 0  # not combining: nothing to watch the mark for
         except Exception as e:
             self._fail(e)
+
+    async def _wait_for_round(self, wait: float) -> None:
+        """Wait `wait` seconds for the next round; while the last one held declared TGBs for lack
+        of room, only until the consumption mark (read every MARK_POLL) frees enough of it."""
+        deadline = self._clock() + wait
+        while self._held and (left := deadline - self._clock()) > 0:
+            await anyio.sleep(min(MARK_POLL, left))
+            await self._read_mark()
+            if decisions.room(self.manifest.state, self._mark) >= min(self._held, COMBINE_FULL):
+                return
+        if (left := deadline - self._clock()) > 0:
+            await anyio.sleep(left)
 
     def _leads(self) -> bool:
         """Whether this producer is the combiner the stream's producers agree on: of those not
@@ -1013,9 +1034,10 @@ class Producer:
 
     async def _combine_round(self, *, took_over: bool = False) -> None:
         if decisions.room(self.manifest.state, self._mark) < 4 * COMBINE_FULL:  # else the mark can wait
-            await self._read_mark_if_stale()
+            await self._read_mark_if_stale(MARK_POLL)
         result = await self._combiner.round(self._mark, self._wall())
         state = self.manifest.state
+        self._held = self._combiner.waiting(state) if decisions.room(state, self._mark) <= 0 else 0
         self._seen, self._moved_at = max(self._seen, state.version), self._clock()
         if self.epoch:
             self._drop_committed(state)
@@ -1089,9 +1111,9 @@ class Producer:
             self._tail_head = max(self._tail_head, tail.head)
         return tail
 
-    async def _read_mark_if_stale(self) -> None:
-        """Read the consumption mark again if back-pressure is on and it is older than HOLD_POLL[1]."""
-        if self.config.max_steps_ahead and self._clock() - self._mark_at > HOLD_POLL[1]:
+    async def _read_mark_if_stale(self, age: float = HOLD_POLL[1]) -> None:
+        """Read the consumption mark again if back-pressure is on and it is older than `age`."""
+        if self.config.max_steps_ahead and self._clock() - self._mark_at > age:
             await self._read_mark()
 
     async def _read_mark(self) -> None:
