@@ -253,7 +253,8 @@ class Bench:
         return ["taskset", "-c", a.trainer_cpus, python, str(HERE / "e2e_trainer.py"), mode, "--rank", str(rank),
                 "--world", str(a.ranks), "--batch", str(a.batch), "--steps", str(steps),
                 "--step-ms", str(a.step_ms if step_ms is None else step_ms), "--workers", str(a.workers),
-                "--prefetch", str(a.prefetch), "--launched", repr(time.time()), "--out", str(out), *extra]  # fmt: skip
+                "--prefetch", str(a.prefetch), "--launched", repr(time.time()), "--out", str(out),
+                *(["--per-sample"] if a.per_sample and mode in ("stream", "mount") else []), *extra]  # fmt: skip
 
     def producer_cmd(self, mode: str, target: str, i: int, size: int, out: Path, rate: float = 0.0) -> list[str]:
         share = self.dataset(size)["shares"][i]
@@ -719,6 +720,8 @@ def main() -> int:
     ap.add_argument("--samples", type=int, help="samples per dataset (default 3200; quick 640; smoke 48)")
     ap.add_argument("--workers", type=int, default=2, help="DataLoader workers for (a) and (d) (default 2)")
     ap.add_argument("--prefetch", type=int, default=4, help="batches read ahead, every pipeline (default 4)")
+    ap.add_argument("--per-sample", action="store_true",
+                    help="(b) reads per-sample items and stacks them (default: collate=True, one tensor a step)")  # fmt: skip
     ap.add_argument("--restart-after", type=float, default=3.0, help="seconds before a killed producer restarts")
     ap.add_argument(
         "--only",

@@ -4,7 +4,8 @@
 
 MODE: `ceiling` (one batch held in memory: the accelerator alone), `colocated` (a DataLoader with
 --workers processes reading the WebDataset shards from S3 and decoding them here), `stream`
-(`lakestream.torch.StreamDataset`), `mount` (`lakestream.torch.MountDataset` on a mount),
+(`lakestream.torch.StreamDataset`), `mount` (`lakestream.torch.MountDataset` on a mount; both
+with `collate=True`, one tensor a step, unless --per-sample),
 `nats` (a JetStream pull consumer on this rank's subject; these three hand their batches to the
 loop through one background thread and a queue of --prefetch batches), `mosaic` (Mosaic Streaming's
 `StreamingDataset` over MDS shards on S3, in its own virtual environment).
@@ -83,18 +84,26 @@ def pumped(batches: Iterator[Batch], depth: int) -> Iterator[Batch]:
         yield item
 
 
+def _batch(item: dict[str, Any], collate: bool) -> Batch:
+    """A step's batch: the `img` tensor of a collated item (one block, no per-sample decode), or
+    the samples of a per-sample item stacked."""
+    if collate:
+        return item["img"], list(item["keys"])
+    return _stack(item["samples"])
+
+
 def stream(a: argparse.Namespace) -> Iterator[Batch]:
     from lakestream.torch import StreamDataset
 
-    ds = StreamDataset(a.source, a.rank, a.world, stop=a.steps, prefetch=a.prefetch)
-    return pumped((_stack(item["samples"]) for item in ds), a.prefetch)
+    ds = StreamDataset(a.source, a.rank, a.world, stop=a.steps, prefetch=a.prefetch, collate=a.collate)
+    return pumped((_batch(item, a.collate) for item in ds), a.prefetch)
 
 
 def mount(a: argparse.Namespace) -> Iterator[Batch]:
     from lakestream.torch import MountDataset
 
-    ds = MountDataset(a.source, a.rank, a.world, stop=a.steps)
-    return pumped((_stack(item["samples"]) for item in ds), a.prefetch)
+    ds = MountDataset(a.source, a.rank, a.world, stop=a.steps, collate=a.collate)
+    return pumped((_batch(item, a.collate) for item in ds), a.prefetch)
 
 
 def nats_batches(a: argparse.Namespace) -> Iterator[Batch]:
@@ -175,6 +184,8 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, required=True)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--prefetch", type=int, default=4)
+    ap.add_argument("--per-sample", dest="collate", action="store_false",
+                    help="stream, mount: per-sample items stacked here, not collate=True's one tensor a step")  # fmt: skip
     ap.add_argument("--launched", type=float, default=0.0, help="time.time() when the pipeline was started")
     ap.add_argument("--also-pid", type=int, default=0, help="a process on this node whose CPU counts too (the mount)")
     ap.add_argument("--progress", default="", help="a file this rank keeps its count of steps done in")
