@@ -19,7 +19,7 @@ The load of a row (N, D, R): a stream of world size R, global batch R (one tiny 
 one TGB every N/D seconds (open loop, from a random phase: together D TGBs, i.e. steps, per
 second), putting its R samples at once. R readers (one `Reader` per rank; the 8 ranks of a node
 share one log follower, `open_reader(follower=...)`, as ranks reading through their node's mount
-do) read in lock-step: the
+do; the nodes load their followers at once, as a job's nodes start together) read in lock-step: the
 trainer takes step s once every rank has it, spends 1/D s on it, and rank 0 then records a
 checkpoint every `--checkpoint-every` steps (`Reader.checkpoint` on rank 0's reader; the trainer
 waits for the call to return, which records in the background); no rank asks for step s + 1
