@@ -19,7 +19,7 @@ The load of a row (N, D, R): a stream of world size R, global batch R (one tiny 
 one TGB every N/D seconds (open loop, from a random phase: together D TGBs, i.e. steps, per
 second), putting its R samples at once. R readers (one `Reader` per rank; the 8 ranks of a node
 share one log follower, `open_reader(follower=...)`, as ranks reading through their node's mount
-do) read in lock-step: the
+do; the nodes load their followers at once, as a job's nodes start together) read in lock-step: the
 trainer takes step s once every rank has it, spends 1/D s on it, and rank 0 then records a
 checkpoint every `--checkpoint-every` steps (`Reader.checkpoint` on rank 0's reader; the trainer
 waits for the call to return, which records in the background); no rank asks for step s + 1
@@ -316,6 +316,12 @@ async def _watch(run: _Run) -> None:
             return
 
 
+async def _load_follower(run: _Run, node: int, followers: dict[int, Manifest]) -> None:
+    follower = Manifest(run.bucket.client("reader"), clock=now, retries=None, rng=random.Random(run.row.seed + node))
+    await follower.load()
+    followers[node] = follower
+
+
 async def run_row(row: Row) -> dict[str, Any]:
     bucket = SimulatedS3(rng=random.Random(row.seed))
     truth = _Truth()
@@ -330,9 +336,13 @@ async def run_row(row: Row) -> dict[str, Any]:
     async with anyio.create_task_group() as tg:
         for i in range(row.n):
             tg.start_soon(_producer, run, i)
-        for node in range(0, row.r, RANKS_PER_NODE):  # the ranks of a node follow the log once, as through a mount
-            follower = Manifest(bucket.client("reader"), clock=now, retries=None, rng=random.Random(row.seed + node))
-            await follower.load()
+        # The ranks of a node follow the log once, as through a mount; the nodes load theirs at once, as a
+        # job's nodes start together (one after another, 64 of them took 19 simulated s at 4,096 producers).
+        followers: dict[int, Manifest] = {}
+        async with anyio.create_task_group() as loading:
+            for node in range(0, row.r, RANKS_PER_NODE):
+                loading.start_soon(_load_follower, run, node, followers)
+        for node, follower in sorted(followers.items()):
             for rank in range(node, min(node + RANKS_PER_NODE, row.r)):
                 tg.start_soon(_rank, run, rank, follower, have, all_have, released)
         tg.start_soon(_trainer, run, all_have, released)

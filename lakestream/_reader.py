@@ -4,7 +4,9 @@ A reader follows the manifest log (a GET of the next version; "not found" means 
 polling with an interval that doubles while nothing arrives and resets when something does. For
 each step it fetches only its rank's slice with one range GET, checks the checksum the commit record
 holds, and decodes it (with `collate`, into columns: an array field stored as a block is one view
-of the fetched bytes). The next `prefetch` committed steps are fetched ahead, within a byte bound.
+of the fetched bytes). Committed steps are fetched ahead: as many as the consumer takes in
+`prefetch_seconds` at the pace it has been taking them, at least `prefetch` (0: none), at most
+`PREFETCH_MAX_STEPS`, within a byte bound.
 """
 
 from __future__ import annotations
@@ -111,6 +113,10 @@ class _Fetch:
     error: BaseException | None = None
 
 
+PREFETCH_MAX_STEPS = 128  # steps fetched ahead at most, however fast the consumer (bounds the requests in flight)
+STEP_TIME_WEIGHT = 0.2  # weight of the newest step in the consumer's smoothed time per step
+
+
 class _Ended(Exception):
     """The stream is closed before the step waited for."""
 
@@ -125,6 +131,7 @@ class Reader:
         world_size: int | None = None,
         *,
         prefetch: int = 4,
+        prefetch_seconds: float = 1.0,
         max_prefetch_bytes: int = 512 << 20,
         poll_interval: tuple[float, float] = (0.005, 0.5),
         verify: bool = True,
@@ -149,7 +156,10 @@ class Reader:
         # version is then read once for all of them: `Manifest.follow`).
         self.manifest = follower or Manifest(store, clock=clock, retries=None)  # an outage never stops a reader
         self.prefetch = max(0, prefetch)
+        self.prefetch_seconds = max(0.0, prefetch_seconds)
         self.max_prefetch_bytes = max_prefetch_bytes
+        self._clock = clock
+        self.step_time: float | None = None  # the consumer's smoothed time per step: yield to next ask
         self.poll_min, self.poll_max = poll_interval
         self.verify = verify
         self.raw = raw
@@ -359,8 +369,13 @@ class Reader:
                     "restart reading from the restored checkpoint"
                 )
 
+        yielded: float | None = None
         while stop is None or step < stop:
             asked = time.perf_counter()  # the consumer waits from here until the yield: its stall
+            if yielded is not None:
+                took = max(0.0, self._clock() - yielded)
+                w = STEP_TIME_WEIGHT
+                self.step_time = took if self.step_time is None else (1 - w) * self.step_time + w * took
             if stop is None:
                 found = await self.wait_for_step_or_end(step, check=check)
                 if found is None:
@@ -378,17 +393,29 @@ class Reader:
                 batch = await self.read_step(step)
             last = entry
             self._metrics.stalled(time.perf_counter() - asked)
+            yielded = self._clock()
             yield batch
             self.consumed = step
             step += 1
 
+    def prefetch_depth(self) -> int:
+        """Steps to fetch ahead of the one asked for: what the consumer takes in `prefetch_seconds`
+        at its smoothed pace (a fast trainer is not left waiting on the slowest of a step's GETs),
+        at least `prefetch`, at most PREFETCH_MAX_STEPS; none when `prefetch` is 0."""
+        if self.prefetch == 0 or self.prefetch_seconds == 0 or self.step_time is None:
+            return self.prefetch
+        if self.step_time * PREFETCH_MAX_STEPS <= self.prefetch_seconds:
+            return max(self.prefetch, PREFETCH_MAX_STEPS)
+        return max(self.prefetch, math.ceil(self.prefetch_seconds / self.step_time))
+
     def _prefetch_after(self, step: int, stop: int | None) -> None:
         if self.state.head < step + self.prefetch and not self._reading_ahead and self._tg is not None:
             # Near the known head: read the log on, in the background, so that the next steps are
-            # known (and prefetched) before they are asked for, not one round trip after.
+            # known (and prefetched) before they are asked for, not one round trip after. (Within
+            # `prefetch` of it, not the deeper adaptive depth: the node's log reads stay as they were.)
             self._reading_ahead = True
             self._tg.start_soon(self._read_ahead)
-        last = min(self.state.head, step + self.prefetch)
+        last = min(self.state.head, step + self.prefetch_depth())
         if stop is not None:
             last = min(last, stop - 1)
         for n in range(step + 1, last + 1):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from typing import Any
 
 import anyio
 import numpy as np
@@ -107,6 +108,41 @@ async def test_the_first_step_is_fetched_alone_then_each_step_ahead_of_its_prefe
     assert events[:3] == [("start", 0), ("end", 0), ("start", 1)], events
     starts = [step for what, step in events if what == "start"]
     assert starts == sorted(starts), events  # each step's fetch starts before any later step's
+
+
+async def _ahead_when_asked(step_time: float, **options: Any) -> list[int]:
+    """How far past each step asked for (after the first) the reader had started fetching, for a
+    consumer that takes `step_time` seconds of the reader's clock per step."""
+    store = MemoryStore()
+    await lakestream.create(store, world_size=W, global_batch=B)
+    await produce(store, "p", 60 * B)
+    segments = {s.segment: s.step for s in (await lakestream.load_state(store)).steps}
+    started: set[int] = set()
+    get_range = store.get_range
+
+    async def logged(key: str, offset: int, length: int) -> bytes:
+        started.add(segments[key])
+        return await get_range(key, offset, length)
+
+    store.get_range = logged  # type: ignore[method-assign]
+    t = [0.0]
+    ahead: list[int] = []
+    async with lakestream.open_reader(store, 0, clock=lambda: t[0], **options) as r:
+        async for b in r.steps(0, 40):
+            if b.step > 0:
+                ahead.append(max(started) - b.step)
+            t[0] += step_time
+    return ahead
+
+
+async def test_prefetch_keeps_about_a_second_of_a_fast_consumers_steps_in_flight() -> None:
+    """At 20 steps a second the reader fetches ~20 steps ahead, not just `prefetch` (2), so a step's
+    slowest GET has a second to land; a consumer at 1 step a second keeps `prefetch` ahead."""
+    fast = await _ahead_when_asked(0.05, prefetch=2)
+    assert 18 <= max(fast) <= 20, fast
+    assert max(await _ahead_when_asked(1.0, prefetch=2)) == 2
+    assert max(await _ahead_when_asked(0.05, prefetch=2, prefetch_seconds=0)) == 2  # adaptation off
+    assert max(await _ahead_when_asked(0.05, prefetch=0)) == 0  # no prefetch at all
 
 
 async def test_values_round_trip(store) -> None:
