@@ -616,12 +616,6 @@ MOUNT_TARGET = 2.5  # MountDataset (collate, trainer + mount daemon) <= 2.5x the
 FILE_READER_TARGET = 0.5  # file:// reader MB/s >= 0.5x page-cached plain reads
 
 
-def proc_cpu(pid: int) -> float:
-    """utime + stime of a process (all its threads) so far, from /proc/PID/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def fuse_usable() -> bool:
     return (
         os.path.exists("/dev/fuse") and os.access("/dev/fuse", os.R_OK | os.W_OK) and bool(shutil.which("fusermount3"))
@@ -732,42 +726,22 @@ def stream_floor(url: str, steps: int) -> float:
 
 
 def mount_floor(fs: FloorStore, url: str, steps: int, logfile: Path) -> tuple[float, float]:
-    """MountDataset(collate=True) through `lakestream mount URL MNT` (a subprocess): (trainer CPU
-    seconds, mount daemon CPU seconds), both from after step 0."""
-    import subprocess
-
-    from lakestream.testing import lakestream_command
+    """MountDataset(collate=True) through `lakestream mount URL MNT` (bench/mount.py's `Mount`, a
+    subprocess): (trainer CPU seconds, mount daemon CPU seconds), both from after step 0."""
     from lakestream.torch import MountDataset
+    from mount import Mount
 
     assert fs.tmp is not None
-    mnt = fs.tmp / f"mnt-{url.rsplit('/', 1)[1]}"
-    mnt.mkdir()
-    cmd = [*lakestream_command(), "mount", url, str(mnt)]
-    with open(logfile, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not (mnt / "_status.json").exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"mount failed: {shlex.join(cmd)}\n{logfile.read_text(errors='replace')[-2000:]}")
-            time.sleep(0.02)
+    with Mount(url, fs.tmp / f"mnt-{url.rsplit('/', 1)[1]}", logfile) as m:
         c0 = d0 = 0.0
         n = 0
-        for item in MountDataset(mnt, rank=0, world_size=1, stop=steps, collate=True, timeout=60):
+        for item in MountDataset(m.mountpoint, rank=0, world_size=1, stop=steps, collate=True, timeout=60):
             if n == 0:
-                c0, d0 = time.process_time(), proc_cpu(proc.pid)
+                c0, d0 = time.process_time(), m.cpu_seconds()
             assert item["img"].shape == (FLOOR_BATCH, *FLOOR_SHAPE)
             n += 1
         assert n == steps, n
-        return time.process_time() - c0, proc_cpu(proc.pid) - d0
-    finally:
-        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True, timeout=30)
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        return time.process_time() - c0, m.cpu_seconds() - d0
 
 
 async def file_reader_pass(url: str, steps: int) -> tuple[float, float, int]:
