@@ -61,7 +61,7 @@ from ._producer import Producer, ProducerStats
 from ._reader import RankBatch, RawSlice, Reader
 from ._segment import FieldRef
 from ._state import Config, State, Step
-from ._store import ObjectStore, open_store
+from ._store import ObjectStore, open_source_store, open_store
 from ._verify import VerifyReport, verify_state
 
 __version__ = "0.1.0"
@@ -201,10 +201,7 @@ async def verify(target: Target, *, progress: Callable[[str, int, int], None] | 
         async with contextlib.AsyncExitStack() as stack:
             base = None
             if state.base is not None and state.base.epochs:  # a fork: its shared steps are its source's
-                try:
-                    base = await stack.enter_async_context(open_store(state.base.source))
-                except (ValueError, ImportError) as e:
-                    raise CorruptData(f"{store.url}: the fork's source cannot be opened: {e}") from None
+                base = await stack.enter_async_context(open_source_store(state.base.source, store.url))
             report = await verify_state(store, state, progress=progress, base=base)
         report.problems[:0] = m.problems + [p for p in await m.audit_snapshots() if p not in m.problems]
         return report

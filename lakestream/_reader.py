@@ -45,7 +45,7 @@ from ._segment import (
     parse_slice,
 )
 from ._state import State, Step
-from ._store import ObjectStore, open_store
+from ._store import ObjectStore, open_source_store
 from ._tasks import cancel_task_group, enter_task_group
 
 __all__ = ["RankBatch", "RawSlice", "Reader"]
@@ -146,9 +146,8 @@ class Reader:
             raise ValueError(f"rank must be a non-negative integer, got {rank!r}")
         self.job = check_job(job)
         self.store = store
-        self._base: tuple[str, ObjectStore] | None = (
-            None  # a fork's source (URL, store), opened on its first shared step
-        )
+        # A fork's source (URL, store), opened on its first shared step.
+        self._base: tuple[str, ObjectStore] | None = None
         self.rank = rank
         self.world_size = world_size
         self._expect = world_size  # the world size the caller asked for (None: whatever each step has)
@@ -599,10 +598,7 @@ class Reader:
         if base is None or not base.holds(entry):
             return self.store
         if self._base is None or self._base[0] != base.source:
-            try:
-                store = open_store(base.source)  # opened to read segments named alike, nothing else
-            except (ValueError, ImportError) as e:
-                raise CorruptData(f"{self._where(entry, rank)}: the fork's source cannot be opened: {e}") from None
+            store = open_source_store(base.source, self._where(entry, rank))  # read for segments named alike only
             old, self._base = self._base, (base.source, store)
             if old is not None:
                 await old[1].aclose()

@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 from urllib.parse import urlparse
 
+from .._errors import CorruptData
 from ._base import ObjectStore
 from ._file import FileStore
 from ._memory import MemoryStore
@@ -21,6 +22,7 @@ __all__ = [
     "FileStore",
     "MemoryStore",
     "ObjectStore",
+    "open_source_store",
     "open_store",
     "s3_client",
     "set_store_wrapper",
@@ -56,6 +58,15 @@ def open_store(url: str | os.PathLike[str], **options: object) -> ObjectStore:
     """
     store = _open_store(url, **options)
     return _wrapper(store) if _wrapper is not None else store
+
+
+def open_source_store(url: str, where: str) -> ObjectStore:
+    """The store of a fork's source, from a URL the fork's log names (read from a store, so
+    untrusted): CorruptData naming `where` if it is not one this library opens."""
+    try:
+        return open_store(url)
+    except (ValueError, ImportError) as e:
+        raise CorruptData(f"{where}: the fork's source cannot be opened: {e}") from None
 
 
 def _open_store(url: str | os.PathLike[str], **options: object) -> ObjectStore:
