@@ -157,7 +157,6 @@ class Reader:
         self.prefetch = max(0, prefetch)
         self.prefetch_seconds = max(0.0, prefetch_seconds)
         self.max_prefetch_bytes = max_prefetch_bytes
-        self._clock = clock
         self.step_time: float | None = None  # the consumer's smoothed time per step: yield to next ask
         self.poll_min, self.poll_max = poll_interval
         self.verify = verify
@@ -372,7 +371,7 @@ class Reader:
         while stop is None or step < stop:
             asked = time.perf_counter()  # the consumer waits from here until the yield: its stall
             if yielded is not None:
-                took = max(0.0, self._clock() - yielded)
+                took = max(0.0, self.manifest.clock() - yielded)
                 w = STEP_TIME_WEIGHT
                 self.step_time = took if self.step_time is None else (1 - w) * self.step_time + w * took
             if stop is None:
@@ -392,7 +391,7 @@ class Reader:
                 batch = await self.read_step(step)
             last = entry
             self._metrics.stalled(time.perf_counter() - asked)
-            yielded = self._clock()
+            yielded = self.manifest.clock()
             yield batch
             self.consumed = step
             step += 1
