@@ -16,6 +16,8 @@ what it holds, and one that is not a register or commit record of that producer 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import anyio
 
@@ -37,13 +39,23 @@ FETCH_CONCURRENCY = 64  # intents fetched at once
 class Combiner:
     """One combiner's view of the declared intents (each fetched once) and its commit rounds."""
 
-    def __init__(self, manifest: Manifest) -> None:
+    def __init__(
+        self, manifest: Manifest, spawn: Callable[[Callable[[], Coroutine[Any, Any, None]]], bool] | None = None
+    ) -> None:
         self.manifest = manifest
         self._intents: dict[str, RegisterRecord | CommitRecord] = {}
+        # Runs work in the background (False: not now): intents that landed are deleted off the
+        # path from one version to the next.
+        self._spawn = spawn
 
-    async def round(self, consumed: int | None, now: float) -> AppendResult | None:
-        """Commit every valid declared intent in one version (None: nothing was declared)."""
+    async def round(self, consumed: int | None, now: float, *, relist: bool = True) -> AppendResult | None:
+        """Commit every valid declared intent in one version (None: nothing was declared).
+        `relist=False`: only those it holds already, without reading the log or the intents first
+        (a round for held TGBs that the consumption mark just made room for; the append reads the
+        log on if another writer got there first)."""
         m = self.manifest
+        if not relist and self._intents:
+            return await self._commit(consumed, now, [])
         await m.refresh()
         listed = set(await retry(lambda: m.store.list(INTENTS_PREFIX), attempts=None))
         m.requests += 1
@@ -78,12 +90,17 @@ class Combiner:
         if not self._intents:
             await self._delete(done + bad)
             return None
+        return await self._commit(consumed, now, done + bad)
+
+    async def _commit(self, consumed: int | None, now: float, done: list[str]) -> AppendResult | None:
+        """Append one group of the intents held (`done`: intent keys to delete besides those it lands)."""
+        m = self.manifest
         intents = list(self._intents.values())
         result = await m.append(lambda st, _: decisions.combine(st, intents, consumed=consumed, now=now))
         done += [k for k in self._intents if self._done(m.state, k)]
         for key in done:
             self._intents.pop(key, None)
-        await self._delete(done + bad)
+        await self._delete(done)
         return result
 
     def waiting(self, state: State) -> int:
@@ -113,6 +130,11 @@ class Combiner:
     async def _delete(self, keys: list[str]) -> None:
         if not keys:
             return
+        if self._spawn is not None and self._spawn(lambda: self._delete_now(keys)):
+            return
+        await self._delete_now(keys)
+
+    async def _delete_now(self, keys: list[str]) -> None:
         try:
             await self.manifest.store.delete(keys)
             self.manifest.requests += 1

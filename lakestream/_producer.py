@@ -19,7 +19,7 @@ import time
 import uuid
 import zlib
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,7 +88,7 @@ COMBINE_FULL = 4
 # holds) rather than at its next round: the loop trainer -> mark -> combiner -> readers is what
 # paces a fast trainer at the cap. Before a round that may be short of room, the mark it commits
 # on is at most this old.
-MARK_POLL = 0.1
+MARK_POLL = 0.05
 # A producer first looks for its declared TGBs after LOOK_FIRST, then every LOOK_EVERY, less often
 # (doubling up to LOOK_MAX) while looks find nothing of its own landed (back-pressure holds them).
 LOOK_FIRST, LOOK_EVERY, LOOK_MAX = 0.75, 0.25, 2.0
@@ -207,7 +207,10 @@ class Producer:
         self._mark_at = -math.inf
         # Combining: declare TGBs as intents; learn what landed from the versions after `_seen`.
         self.combine = combine
-        self._combiner = Combiner(self.manifest)
+        self._combiner = Combiner(self.manifest, self._spawn)
+        self._tail_lock = anyio.Lock()
+        self._tail_due: tuple[int, bool] | None = None
+        self._tail_writing = False
         self._rng = self.manifest.rng  # jitter: seeded where the manifest's is
         self._seen = -1  # the log version up to which this producer looked for its own commits
         self._tail_head = -1  # the head the tail hint last said
@@ -217,7 +220,8 @@ class Producer:
         self._beat = 0  # rounds of this combiner that committed nothing (see `Manifest.read_tail`)
         self._beat_at = -math.inf
         self._last_round = 0  # TGBs the last combine round committed
-        self._held = 0  # declared TGBs the last combine round left for lack of room
+        self._capped = False  # the last combine round was short of room (the head at back-pressure's cap)
+        self._held = 0  # declared TGBs it left for lack of room
         self._looks = 0  # looks in a row that found none of this producer's TGBs landed
         self._caught_up_at = -math.inf
         self._moved_at = 0.0  # when a combiner was last seen at work (or this producer started waiting)
@@ -998,29 +1002,32 @@ class Producer:
         try:
             while True:
                 every = COMBINE_EVERY[0] if self._last_round >= COMBINE_FULL else COMBINE_EVERY[1]
-                await self._wait_for_round(every * (0.75 + 0.5 * self._rng.random()))
+                freed = await self._wait_for_round(every * (0.75 + 0.5 * self._rng.random()))
                 if self._finished:
                     return
                 if self._leads():
-                    await self._combine_round()
+                    await self._combine_round(held=freed)
                 elif self._clock() < self._combining_until and await self._claimed():
-                    await self._combine_round()  # (one that took over stops as soon as another is at work)
+                    await self._combine_round(held=freed)  # (one that took over stops once another is at work)
                 else:
-                    self._held = 0  # not combining: nothing to watch the mark for
+                    self._capped = False  # not combining: nothing to watch the mark for
         except Exception as e:
             self._fail(e)
 
-    async def _wait_for_round(self, wait: float) -> None:
+    async def _wait_for_round(self, wait: float) -> bool:
         """Wait `wait` seconds for the next round; while the last one held declared TGBs for lack
-        of room, only until the consumption mark (read every MARK_POLL) frees enough of it."""
+        of room, only until the consumption mark (read every MARK_POLL) frees enough of it: then
+        True (the round may commit what it holds without listing the intents again)."""
         deadline = self._clock() + wait
-        while self._held and (left := deadline - self._clock()) > 0:
+        while self._capped and (left := deadline - self._clock()) > 0:
             await anyio.sleep(min(MARK_POLL, left))
             await self._read_mark()
-            if decisions.room(self.manifest.state, self._mark) >= min(self._held, COMBINE_FULL):
-                return
+            room = decisions.room(self.manifest.state, self._mark)
+            if room >= COMBINE_FULL or 0 < self._held <= room:
+                return True
         if (left := deadline - self._clock()) > 0:
             await anyio.sleep(left)
+        return False
 
     def _leads(self) -> bool:
         """Whether this producer is the combiner the stream's producers agree on: of those not
@@ -1032,12 +1039,17 @@ class Producer:
             self._leader = (state.version, first == self.id)
         return self._leader[1]
 
-    async def _combine_round(self, *, took_over: bool = False) -> None:
+    async def _combine_round(self, *, took_over: bool = False, held: bool = False) -> None:
+        """One round of combining. `held`: the consumption mark just freed room while the head
+        was at the cap."""
         if decisions.room(self.manifest.state, self._mark) < 4 * COMBINE_FULL:  # else the mark can wait
             await self._read_mark_if_stale(MARK_POLL)
-        result = await self._combiner.round(self._mark, self._wall())
+        # Room freed for what it holds: commit that at once, without listing the intents again.
+        quick = held and self._held >= decisions.room(self.manifest.state, self._mark)
+        result = await self._combiner.round(self._mark, self._wall(), relist=not quick)
         state = self.manifest.state
-        self._held = self._combiner.waiting(state) if decisions.room(state, self._mark) <= 0 else 0
+        self._capped = decisions.room(state, self._mark) <= 0
+        self._held = self._combiner.waiting(state) if self._capped else 0
         self._seen, self._moved_at = max(self._seen, state.version), self._clock()
         if self.epoch:
             self._drop_committed(state)
@@ -1053,12 +1065,12 @@ class Producer:
         if result.version is not None:
             self.stats.commits += 1
             self._appended(result.version, tail=False)
-            await self._write_tail(self._beat, leader=not self._finished)
+            self._write_tail_soon(self._beat, leader=not self._finished)  # the next round need not wait for it
             self._backoff = 0  # it leads
         elif self._clock() - self._beat_at >= BEAT_EVERY:
             # Declared TGBs wait (back-pressure, or not valid): say that a combiner is at work.
             self._beat, self._beat_at = self._beat + 1, self._clock()
-            await self._write_tail(self._beat, leader=not self._finished)
+            self._write_tail_soon(self._beat, leader=not self._finished)
         if took_over or self._clock() < self._combining_until:
             self._combining_until = self._clock() + STICKY
         self._notify()
@@ -1227,15 +1239,43 @@ class Producer:
         if version % every == 0:
             self._tg.start_soon(self._snapshot, self.manifest.state.copy())
 
+    def _spawn(self, work: Callable[[], Coroutine[Any, Any, None]]) -> bool:
+        """Run `work` in the background (False: closed, the caller does it itself)."""
+        if self._tg is None:
+            return False
+        self._tg.start_soon(work)
+        return True
+
     async def _write_tail(self, beat: int = 0, *, leader: bool = False) -> None:
         """Point the tail hint at this producer's view; `leader`: as the combiner, naming itself
-        (a producer that wrote a version of its own names none)."""
+        (a producer that wrote a version of its own names none). One write at a time, each of the
+        view as it is then, so that a hint never goes back."""
         try:
-            await self.manifest.write_tail(self.manifest.state, beat, self.id if leader else "")
+            async with self._tail_lock:
+                version = self.manifest.state.version
+                await self.manifest.write_tail(self.manifest.state, beat, self.id if leader else "")
             if leader:
-                self._wrote = self.manifest.state.version
+                self._wrote = max(self._wrote, version)
         except Exception as e:  # best effort: a stale tail costs a held producer a log read
             log.debug("%s: tail hint failed: %s", self.manifest.url, e)
+
+    def _write_tail_soon(self, beat: int, *, leader: bool) -> None:
+        """`_write_tail` in the background, off the combiner's path from one version to the next;
+        hints due while one is written are written once, after it, with the newest view."""
+        if self._tg is None:
+            return
+        self._tail_due = (beat, leader)
+        if not self._tail_writing:
+            self._tail_writing = True
+            self._tg.start_soon(self._tail_writer)
+
+    async def _tail_writer(self) -> None:
+        try:
+            while (due := self._tail_due) is not None:
+                self._tail_due = None
+                await self._write_tail(due[0], leader=due[1])
+        finally:
+            self._tail_writing = False
 
     async def _collect_garbage(self, interval: float) -> None:
         """GC in the background, every `interval` seconds; failures are logged, not fatal."""

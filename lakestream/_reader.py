@@ -114,6 +114,7 @@ class _Fetch:
 
 
 PREFETCH_MAX_STEPS = 128  # steps fetched ahead at most, however fast the consumer (bounds the requests in flight)
+READ_AHEAD_EVERY = 0.1  # seconds between reads of the log ahead of a fast consumer, per view of it
 STEP_TIME_WEIGHT = 0.2  # weight of the newest step in the consumer's smoothed time per step
 
 
@@ -206,11 +207,13 @@ class Reader:
         return self
 
     async def _publish(self) -> None:
-        """Publish the consumption mark every PUBLISH_EVERY seconds while it moves (one small
+        """Publish the consumption mark every PUBLISH_EVERY seconds (start to start) while it moves (one small
         blind PUT; a failure is retried at the next turn, never fatal)."""
+        clock = self.manifest.clock
         while True:
-            await anyio.sleep(PUBLISH_EVERY)
+            started = clock()
             await self._publish_once()
+            await anyio.sleep(max(0.0, started + PUBLISH_EVERY - clock()))
 
     async def _publish_once(self) -> None:
         if self.consumed != self._published:
@@ -407,13 +410,11 @@ class Reader:
         return max(self.prefetch, math.ceil(self.prefetch_seconds / self.step_time))
 
     def _prefetch_after(self, step: int, stop: int | None) -> None:
-        if self.state.head < step + self.prefetch and not self._reading_ahead and self._tg is not None:
-            # Near the known head: read the log on, in the background, so that the next steps are
-            # known (and prefetched) before they are asked for, not one round trip after. (Within
-            # `prefetch` of it, not the deeper adaptive depth: the node's log reads stay as they were.)
+        depth = self.prefetch_depth()
+        if not self._reading_ahead and self._tg is not None and self._read_ahead_due(step, depth):
             self._reading_ahead = True
             self._tg.start_soon(self._read_ahead)
-        last = min(self.state.head, step + self.prefetch_depth())
+        last = min(self.state.head, step + depth)
         if stop is not None:
             last = min(last, stop - 1)
         for n in range(step + 1, last + 1):
@@ -428,6 +429,17 @@ class Reader:
             if self._key(entry) not in self._fetches and self._inflight_bytes + size > self.max_prefetch_bytes:
                 break
             self._start(entry)
+
+    def _read_ahead_due(self, step: int, depth: int) -> bool:
+        """Whether to read the log on in the background, so that the next steps are known (and
+        fetched) before they are asked for, not one round trip after: at once within `prefetch`
+        steps of the known head; within the adaptive depth, once the tail was last confirmed
+        READ_AHEAD_EVERY ago (a fast consumer learns of a version about that soon after it lands,
+        at a bounded rate of log reads per view, shared by the ranks following it)."""
+        head = self.state.head
+        if head < step + self.prefetch:
+            return True
+        return head < step + depth and self.manifest.clock() - self.manifest.confirmed_at >= READ_AHEAD_EVERY
 
     async def _read_ahead(self) -> None:
         try:
