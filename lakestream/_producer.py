@@ -222,6 +222,7 @@ class Producer:
         self._last_round = 0  # TGBs the last combine round committed
         self._capped = False  # the last combine round was short of room (the head at back-pressure's cap)
         self._held = 0  # declared TGBs it left for lack of room
+        self._short = False  # the last round, on room the mark freed, had less declared than that room
         self._looks = 0  # looks in a row that found none of this producer's TGBs landed
         self._caught_up_at = -math.inf
         self._moved_at = 0.0  # when a combiner was last seen at work (or this producer started waiting)
@@ -1002,6 +1003,8 @@ class Producer:
         try:
             while True:
                 every = COMBINE_EVERY[0] if self._last_round >= COMBINE_FULL else COMBINE_EVERY[1]
+                if self._short:  # the mark freed more room than was declared: more is coming (held at sources)
+                    every = 2 * MARK_POLL
                 freed = await self._wait_for_round(every * (0.75 + 0.5 * self._rng.random()))
                 if self._finished:
                     return
@@ -1044,9 +1047,19 @@ class Producer:
         was at the cap."""
         if decisions.room(self.manifest.state, self._mark) < 4 * COMBINE_FULL:  # else the mark can wait
             await self._read_mark_if_stale(MARK_POLL)
-        # Room freed for what it holds: commit that at once, without listing the intents again.
+        # Room freed for what it holds: commit that at once, without listing the intents again (and
+        # list them then if what it held was not all valid).
         quick = held and self._held >= decisions.room(self.manifest.state, self._mark)
-        result = await self._combiner.round(self._mark, self._wall(), relist=not quick)
+        await self._one_round(relist=not quick)
+        if quick and decisions.room(self.manifest.state, self._mark) > 0:
+            await self._one_round(relist=True)
+        self._short = held and not self._capped
+        if took_over or self._clock() < self._combining_until:
+            self._combining_until = self._clock() + STICKY
+        self._notify()
+
+    async def _one_round(self, *, relist: bool) -> None:
+        result = await self._combiner.round(self._mark, self._wall(), relist=relist)
         state = self.manifest.state
         self._capped = decisions.room(state, self._mark) <= 0
         self._held = self._combiner.waiting(state) if self._capped else 0
@@ -1071,18 +1084,19 @@ class Producer:
             # Declared TGBs wait (back-pressure, or not valid): say that a combiner is at work.
             self._beat, self._beat_at = self._beat + 1, self._clock()
             self._write_tail_soon(self._beat, leader=not self._finished)
-        if took_over or self._clock() < self._combining_until:
-            self._combining_until = self._clock() + STICKY
-        self._notify()
 
     async def _room(self, *, for_upload: bool = False) -> int:
         """How many steps may be committed now (`_decisions.room`: the head at most
         `max_steps_ahead` past the trainer's consumption mark or the oldest checkpoint), waiting
         while there is none. `for_upload`: room for one more TGB, counting this producer's
-        uncommitted ones as taken. A held producer looks at the mark and the log's next version
+        uncommitted ones as taken; a combining producer's, as far again past the cap (declared
+        TGBs wait for the combiner, which commits them the moment the mark frees room, while what
+        the sources would only start uploading then is a round trip or more away; the head itself
+        never passes the cap). A held producer looks at the mark and the log's next version
         twice a second at most."""
         if not self.config.max_steps_ahead:
             return decisions.UNLIMITED
+        ahead = self.config.max_steps_ahead if for_upload and self.combine else 0
         if for_upload and self.combine and self._clock() - min(self._mark_at, self._tail_at) > HOLD_POLL[1]:
             # It seals on a view at most HOLD_POLL[1] old (it may not have looked for long): held
             # here, at the source, rather than after the upload, with its TGB waiting to land.
@@ -1093,7 +1107,7 @@ class Producer:
         while True:
             self._check()
             taken = len(self._pending) if for_upload else 0
-            room = decisions.room(self.manifest.state, self._mark, self._tail_head) - taken
+            room = decisions.room(self.manifest.state, self._mark, self._tail_head) + ahead - taken
             if held is not None:  # the time held is counted as it passes (a metric, scraped meanwhile)
                 now = self._clock()
                 self._metrics.held(now - held)
