@@ -77,6 +77,7 @@ log = logging.getLogger("lakestream.producer")
 
 RECHECK_AFTER = 60.0  # seconds a TGB may wait uncommitted before its segment is checked again
 MAX_SCAN = 32  # log versions a producer reads at once for its own commits
+FIND_UPWARDS = 2  # versions after its declaring that a registered producer reads first for its register
 HOLD_POLL = (0.01, 0.5)  # a producer held by back-pressure looks again after this, doubling to at most that
 # Combining (see `_combine`): how often a combiner commits what was declared; how often a producer
 # with declared TGBs looks at the tail hint; how long the log may stand still while it waits before
@@ -220,6 +221,7 @@ class Producer:
         self._beat = 0  # rounds of this combiner that committed nothing (see `Manifest.read_tail`)
         self._beat_at = -math.inf
         self._last_round = 0  # TGBs the last combine round committed
+        self._log_end = -1  # the last log version known to exist when it started (combining)
         self._capped = False  # the last combine round was short of room (the head at back-pressure's cap)
         self._held = 0  # declared TGBs it left for lack of room
         self._short = False  # the last round, on room the mark freed, had less declared than that room
@@ -282,6 +284,7 @@ class Producer:
             for v in range(tail.version + 1, tail.version + 1 + MAX_SCAN):
                 if (data := await self.manifest.read_version(v)) is None:
                     self._tail, self._tail_head = tail, tail.head
+                    self._log_end = v - 1
                     return state
                 if record_kind(data) not in _KEEP_RULES:  # (a malformed one is a no-op: following costs time only)
                     break
@@ -307,7 +310,7 @@ class Producer:
             await retry(lambda: self.store.delete(mine), attempts=None)
         data = encode_record(RegisterRecord(self.id, 1, self._token, self._wall()))
         await retry(lambda: self.store.put(key, data), attempts=None)
-        since = self.manifest.state.version  # it lands after this version
+        since = max(self.manifest.state.version, self._log_end)  # it lands after this version
         # With no producer at work in the stream there is no combiner to wait for: one of those
         # registering takes over soon (a random wait spreads those that start together).
         alone = not any(p.token and not p.finished for p in self.manifest.state.producers.values())
@@ -347,29 +350,45 @@ class Producer:
         return p is not None and p.token == self._token
 
     async def _find_register(self, since: int) -> tuple[int, int, Resume] | None:
-        """(version, epoch, resume) of this incarnation's register, read from the log's end (the
-        tail hint's version and any after it) back to `since`, at most MAX_SCAN versions; None if
-        none of them holds it."""
-        tail = await self._read_tail()
-        top = since if tail is None else max(since, tail.version)
+        """(version, epoch, resume) of this incarnation's register, read from the versions after
+        `since` (the log's end when it was declared): the first FIND_UPWARDS of them (where it
+        usually is: it lands in the first round after it was declared), then from the log's end
+        (the tail hint's version and any after it) down, at most MAX_SCAN in all; None if none of
+        them holds it."""
         datas: dict[int, bytes] = {}
-        while (data := await self.manifest.read_version(top + 1)) is not None:  # the hint is behind
-            top += 1
-            datas[top] = data
-        for v in range(top, max(since, top - MAX_SCAN), -1):
-            data = datas.get(v) or await self.manifest.read_version(v)
-            if data is None or self._token.encode() not in data:
-                continue  # (the bytes say so without decoding a group of thousands of slices)
-            # The group is decoded whole, as every reader decodes it (a malformed one is a no-op
-            # for all, and registers nobody); the producers of one process registered by it share
-            # the decoded record (`decode_record`).
-            try:
-                record = decode_record(data)
-            except RecordError:
-                continue
-            for r in record.records if isinstance(record, GroupRecord) else ():
-                if isinstance(r, RegisterRecord) and r.token == self._token and r.producer == self.id and r.resume:
-                    return v, r.epoch, r.resume
+        for v in range(since + 1, since + 1 + FIND_UPWARDS):
+            if (data := await self.manifest.read_version(v)) is None:
+                break  # past the log's end
+            if (found := self._register_in(v, data)) is not None:
+                return found
+            datas[v] = data
+        else:
+            tail = await self._read_tail()
+            top = max(since + FIND_UPWARDS, -1 if tail is None else tail.version)
+            while (data := await self.manifest.read_version(top + 1)) is not None:  # the hint is behind
+                top += 1
+                datas[top] = data
+            for v in range(top, max(since + FIND_UPWARDS, top - MAX_SCAN), -1):
+                if v not in datas and (data := await self.manifest.read_version(v)) is not None:
+                    datas[v] = data
+                if v in datas and (found := self._register_in(v, datas[v])) is not None:
+                    return found
+        return None
+
+    def _register_in(self, version: int, data: bytes) -> tuple[int, int, Resume] | None:
+        """(version, epoch, resume) of this incarnation's register if the log version `data` holds it."""
+        if self._token.encode() not in data:
+            return None  # (the bytes say so without decoding a group of thousands of slices)
+        # The group is decoded whole, as every reader decodes it (a malformed one is a no-op for
+        # all, and registers nobody); the producers of one process registered by it share the
+        # decoded record (`decode_record`).
+        try:
+            record = decode_record(data)
+        except RecordError:
+            return None
+        for r in record.records if isinstance(record, GroupRecord) else ():
+            if isinstance(r, RegisterRecord) and r.token == self._token and r.producer == self.id and r.resume:
+                return version, r.epoch, r.resume
         return None
 
     def _registered(self) -> None:

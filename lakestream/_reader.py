@@ -170,6 +170,8 @@ class Reader:
         self.consumed = -1  # the last step `steps` yielded whose next step was then asked for
         self._published = -1  # the consumption mark last published
         self._reading_ahead = False
+        # Prefetches: (the rules they were started under, the step asked for then, the last started).
+        self._ahead: tuple[Any, int, int] = (None, -1, -1)
         self._checkpoints: deque[_Checkpoint] = deque()  # asked for, not recorded yet; the first in progress
         self._checkpoint_error: Exception | None = None
         self.bytes_fetched = 0
@@ -417,18 +419,28 @@ class Reader:
         last = min(self.state.head, step + depth)
         if stop is not None:
             last = min(last, stop - 1)
-        for n in range(step + 1, last + 1):
-            entry = self.state.step(n)
+        # Steps up to the last started were started already, unless a rewind or reshape (or a new
+        # view of the log) changed what they are, or an earlier step is asked for (fetches up to the
+        # step asked for are let go): each step is looked at once, not once per step asked.
+        state = self.state
+        rules = (id(state), state.rewinds, state.shapes[-1] if state.shapes else None)
+        was, asked, started = self._ahead
+        n = max(step + 1, started + 1) if was == rules and step >= asked else step + 1
+        while n <= last:
+            entry = state.step(n)
             if entry is None:
                 break
-            assert self.rank is not None
-            try:
-                size = self._nbytes(entry, self.rank)
-            except ConfigMismatch:
-                break  # reading that step raises it
-            if self._key(entry) not in self._fetches and self._inflight_bytes + size > self.max_prefetch_bytes:
-                break
-            self._start(entry)
+            if self._key(entry) not in self._fetches:
+                assert self.rank is not None
+                try:
+                    size = self._nbytes(entry, self.rank)
+                except ConfigMismatch:
+                    break  # reading that step raises it
+                if self._inflight_bytes + size > self.max_prefetch_bytes:
+                    break
+                self._start(entry)
+            n += 1
+        self._ahead = (rules, step, n - 1)
 
     def _read_ahead_due(self, step: int, depth: int) -> bool:
         """Whether to read the log on in the background, so that the next steps are known (and

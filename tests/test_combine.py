@@ -417,7 +417,38 @@ async def test_a_registering_producer_reads_the_version_that_registers_it_not_th
             tg.start_soon(land)
             async with p:
                 assert (p.epoch, p.committed_seq, p.cursor, p.global_batch) == (2, 1, ["b", 1], 2)
-                assert p.manifest.state.version == since and p.manifest.requests - loaded <= 4
+                # Its first FIND_UPWARDS versions, the tail hint, the version after it, and the one
+                # that holds the register.
+                assert p.manifest.state.version == since
+                assert p.manifest.requests - loaded <= producer_module.FIND_UPWARDS + 3
+
+
+async def test_a_registering_producer_finds_its_register_in_the_first_version_after_it_declared() -> None:
+    """Where its register lands in the first version after the log's end it saw (as it does
+    unless versions crowd in before the combiner lists it), the producer reads that version and
+    nothing else of the log: one GET (thousands of producers start together)."""
+    store = MemoryStore()
+    await lakestream.create(store, world_size=W, global_batch=2)
+    m = Manifest(store)
+    await m.load()
+    await m.append(lambda st, _: decisions.register(st, "a", "t-a", 0.0))
+    p = lakestream.Producer(store, "b", combine=True)
+    loaded = -1
+
+    async def land() -> None:
+        nonlocal loaded
+        with anyio.fail_after(10):
+            while not await store.list("_lakestream/intents/b/r-"):
+                await anyio.sleep(0.01)
+        loaded = p.manifest.requests
+        assert await Combiner(m).round(None, 1.0) is not None  # registers b (and deletes its intent)
+        await m.write_tail(m.state)
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(land)
+            async with p:
+                assert p.epoch == 1 and p.manifest.requests - loaded == 1
 
 
 async def test_a_registering_producer_takes_no_register_from_a_group_that_is_a_noop_for_readers() -> None:

@@ -11,7 +11,9 @@ costs CPU, not wall-clock time, and under a real event loop it is a slow local S
   delete) 60 ms / 200 ms, GETs (get, get_range, list) 25 ms / 100 ms.
 * A request takes effect when it arrives, half-way through its latency, and is answered after the
   other half: of concurrent conditional PUTs of one key the first to arrive wins, and a GET sees
-  what had arrived before it.
+  what had arrived before it. (A range GET outside `_lakestream/`, of segment data written once
+  before anything names it, is timed as one sleep of its whole latency: what it returns cannot
+  depend on when it takes effect.)
 * Throttling: a token bucket per configured prefix and kind (`rates`: prefix -> (PUTs/s, GETs/s);
   by default S3's 3,500 / 5,500 per second on `_lakestream/`, and no limit elsewhere), holding
   `burst` seconds of tokens. A request that arrives at an empty bucket is answered 503 SlowDown.
@@ -66,6 +68,9 @@ class _SlowDown(Exception):
     """A 503 SlowDown answer, inside the store's own retries."""
 
 
+_LAKESTREAM = "_lakestream/"
+
+
 def _area(key: str) -> str:
     parts = key.split("/")
     if parts[0] == "_lakestream":
@@ -107,6 +112,7 @@ class SimulatedS3:
         self.not_found: Counter[tuple[str, str, str]] = Counter()
         self.on_write: Callable[[str, bytes, float], None] | None = None
         self._buckets: dict[tuple[str, str], tuple[float, float]] = {}  # (prefix, kind) -> (tokens, at)
+        self._areas: dict[str, set[str]] = {}  # `_area` -> the keys in it (LIST reads one area, not the bucket)
 
     def client(self, label: str = "") -> SimulatedStore:
         """An ObjectStore on this bucket whose requests are counted under `label`."""
@@ -139,6 +145,20 @@ class SimulatedS3:
         async def once() -> T:
             self.requests[counted] += 1
             d = self.delay(kind)
+            if op == "get_range" and not key.startswith(_LAKESTREAM):
+                # Segment data is written once, before anything names it: when the read takes
+                # effect cannot change what it returns, so it is one sleep, not two (the readers'
+                # range GETs are most of a simulation's requests). No rate applies outside
+                # `_lakestream/` by default; where one is configured, the token is taken now.
+                await anyio.sleep(d)
+                if not self._admit(kind, key):
+                    self.throttled[counted] += 1
+                    raise _SlowDown
+                try:
+                    return act()
+                except ObjectNotFound:
+                    self.not_found[counted] += 1
+                    raise
             await anyio.sleep(d / 2)
             if not self._admit(kind, key):
                 self.throttled[counted] += 1
@@ -176,6 +196,7 @@ class SimulatedS3:
 
     def _write(self, key: str, data: bytes) -> None:
         self.objects[key] = data
+        self._areas.setdefault(_area(key), set()).add(key)
         now = self.created[key] = anyio.current_time()
         if self.on_write is not None:
             self.on_write(key, data, now)
@@ -193,11 +214,14 @@ class SimulatedS3:
         return True
 
     def _list(self, prefix: str) -> list[str]:
-        return sorted(k for k in self.objects if k.startswith(prefix))
+        area = _area(prefix)  # where every key under `prefix` is, unless the prefix ends before one is named
+        keys = self.objects if area in ("", _LAKESTREAM) else self._areas.get(area, ())
+        return sorted(k for k in keys if k.startswith(prefix))
 
     def _delete(self, keys: Sequence[str]) -> None:
         for key in keys:
-            self.objects.pop(key, None)
+            if self.objects.pop(key, None) is not None:
+                self._areas[_area(key)].discard(key)
             self.created.pop(key, None)
 
 
