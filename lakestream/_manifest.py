@@ -124,7 +124,9 @@ class Tail(NamedTuple):
     `landed` names, for each producer whose TGBs landed in a version after `since`, the newest
     such version (`State.landings`), so that it reads that one version to learn what landed;
     `leader` names the combiner at work ("": none named), so that producers whose views started
-    from a snapshot know that one exists and give it time before taking over."""
+    from a snapshot know that one exists and give it time before taking over; `mark` is the
+    consumption mark that combiner committed on (None: not given), so that a producer about to
+    upload learns the room left from one GET, not two."""
 
     version: int
     head: int
@@ -133,6 +135,7 @@ class Tail(NamedTuple):
     since: int = -1
     landed: Mapping[str, int] = {}
     leader: str = ""
+    mark: int | None = None
 
 
 TAIL_LANDINGS = 64  # versions the tail hint's `landed` covers
@@ -161,7 +164,10 @@ def _tail(data: bytes) -> Tail | None:
     leader = d.get("leader", "")
     if not (isinstance(leader, str) and (leader == "" or PRODUCER_ID.match(leader))):
         leader = ""  # not a producer id: none named (producers wait as if none were at work)
-    return Tail(version, head, beat, rules, since, landed, leader)
+    mark = d.get("mark")
+    if not (type(mark) is int and -1 <= mark < 1 << 63):
+        mark = None  # not given, or not a step: producers read the mark itself
+    return Tail(version, head, beat, rules, since, landed, leader, mark)
 
 
 class Manifest:
@@ -519,10 +525,11 @@ class Manifest:
             log.warning("%s: ignoring the unreadable %s: %r", self.url, TAIL_KEY, data[:100])
         return tail
 
-    async def write_tail(self, state: State, beat: int = 0, leader: str = "") -> None:
-        """Point the tail hint at `state`, naming `leader` as the combiner at work (see `Tail`)."""
+    async def write_tail(self, state: State, beat: int = 0, leader: str = "", mark: int | None = None) -> None:
+        """Point the tail hint at `state`, naming `leader` as the combiner at work and the
+        consumption `mark` it commits on (see `Tail`)."""
         since, landed = state.landings(TAIL_LANDINGS)
-        await self.put_tail(Tail(state.version, state.head, beat, state.rules_digest(), since, landed, leader))
+        await self.put_tail(Tail(state.version, state.head, beat, state.rules_digest(), since, landed, leader, mark))
 
     async def put_tail(self, tail: Tail) -> None:
         """Write `tail` as the tail hint (a combiner taking over names itself in the one it read)."""
@@ -530,6 +537,8 @@ class Manifest:
         hint.update(since=tail.since, landed=dict(tail.landed))
         if tail.leader:
             hint["leader"] = tail.leader
+        if tail.mark is not None:
+            hint["mark"] = tail.mark
         await self.store.put(TAIL_KEY, orjson.dumps(hint))
         self.requests += 1
 

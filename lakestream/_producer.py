@@ -220,7 +220,7 @@ class Producer:
         self._tail: Tail | None = None  # the tail hint as last read
         self._beat = 0  # rounds of this combiner that committed nothing (see `Manifest.read_tail`)
         self._beat_at = -math.inf
-        self._last_round = 0  # TGBs the last combine round committed
+        self._last_round = 0  # TGBs (and registers) the last combine round committed
         self._log_end = -1  # the last log version known to exist when it started (combining)
         self._capped = False  # the last combine round was short of room (the head at back-pressure's cap)
         self._held = 0  # declared TGBs it left for lack of room
@@ -1089,8 +1089,8 @@ class Producer:
             return  # nothing declared: nobody waits
         self._metrics.appended(result)
         record = result.record
-        self._last_round = (
-            sum(len(r.tgbs) for r in record.records if isinstance(r, CommitRecord))
+        self._last_round = (  # (registers count: thousands starting together are a busy stream too)
+            sum(len(r.tgbs) if isinstance(r, CommitRecord) else 1 for r in record.records)
             if isinstance(record, GroupRecord)
             else 0
         )
@@ -1118,9 +1118,14 @@ class Producer:
         ahead = self.config.max_steps_ahead if for_upload and self.combine else 0
         if for_upload and self.combine and self._clock() - min(self._mark_at, self._tail_at) > HOLD_POLL[1]:
             # It seals on a view at most HOLD_POLL[1] old (it may not have looked for long): held
-            # here, at the source, rather than after the upload, with its TGB waiting to land.
-            await self._read_mark()
-            await self._read_tail()
+            # here, at the source, rather than after the upload, with its TGB waiting to land. The
+            # tail hint carries the mark its combiner commits on: one GET where it leaves room
+            # (held, it reads the mark itself below).
+            tail = await self._read_tail()
+            if tail is None or tail.mark is None:
+                await self._read_mark()
+            elif self._mark is None or tail.mark > self._mark:
+                self._mark = tail.mark
         interval = HOLD_POLL[0]
         held = None
         while True:
@@ -1286,7 +1291,8 @@ class Producer:
         try:
             async with self._tail_lock:
                 version = self.manifest.state.version
-                await self.manifest.write_tail(self.manifest.state, beat, self.id if leader else "")
+                mark = self._mark if leader else None  # what it commits on, for producers about to upload
+                await self.manifest.write_tail(self.manifest.state, beat, self.id if leader else "", mark)
             if leader:
                 self._wrote = max(self._wrote, version)
         except Exception as e:  # best effort: a stale tail costs a held producer a log read

@@ -548,6 +548,49 @@ async def test_a_tail_hint_names_its_leader_and_one_that_is_not_a_producer_id_na
     assert await m.read_tail() == tail
 
 
+@pytest.mark.parametrize("mark", [12, -1, 0, None, "12", 12.0, True, -2, 1 << 63, [12]])
+async def test_a_tail_hint_carries_its_combiners_mark_and_one_that_is_not_a_step_gives_none(mark: object) -> None:
+    store = MemoryStore()
+    m = Manifest(store)
+    hint = {"version": 8, "head": 3, "beat": 0, "rules": 7, "mark": mark}
+    await store.put("_lakestream/tail", orjson.dumps(hint))
+    tail = await m.read_tail()
+    assert tail is not None and tail[:4] == (8, 3, 0, 7)
+    assert tail.mark == (mark if mark in (12, -1, 0) and type(mark) is int else None)
+    await m.put_tail(tail)
+    assert await m.read_tail() == tail
+
+
+async def test_a_combining_producer_about_to_upload_reads_the_tail_hint_alone_when_its_mark_leaves_room() -> None:
+    """The combiner writes the mark it commits on into the tail hint; a producer sealing a TGB on
+    a stale view reads that one hint, not the mark as well, where it leaves room, and reads the
+    mark itself where it does not (the combiner's may be behind the trainer's)."""
+    store = MemoryStore()
+    await lakestream.create(store, world_size=W, global_batch=2, max_steps_ahead=4)
+    m = Manifest(store)
+    await m.load()
+    await m.append(lambda st, _: decisions.register(st, "q", "t-q", 0.0))
+    await m.append(lambda st, _: intent("q", 1, 0, n=10))  # steps 0-9
+    reads: Counter[str] = Counter()
+    get = store.get
+
+    async def counted(key: str) -> bytes:
+        reads[key.rsplit("/", 1)[-1]] += 1
+        return await get(key)
+
+    store.get = counted  # type: ignore[method-assign]
+    # Room on the hint's mark (with the uploads it allows past the cap), and none on it.
+    for mark, consumed, expect_mark_read in ((9, 9, False), (0, 9, True)):
+        await m.write_tail(m.state, mark=mark)
+        await m.publish_consumed(consumed, 0.0)
+        p = lakestream.Producer(store, "p", combine=True)
+        p.manifest.state, p.config = m.state.copy(), m.state.config  # as if it had started (registered or not)
+        reads.clear()
+        with anyio.fail_after(5):
+            assert await p._room(for_upload=True) > 0
+        assert reads == (Counter(tail=2, consumed=1) if expect_mark_read else Counter(tail=1)), reads
+
+
 # -- many producers on a simulated store and clock (as bench/scale.py runs them) ---------------------
 
 
