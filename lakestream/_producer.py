@@ -84,12 +84,13 @@ HOLD_POLL = (0.01, 0.5)  # a producer held by back-pressure looks again after th
 # it commits them itself (and everything else declared), staying a combiner for a while after.
 COMBINE_EVERY = (0.25, 0.5)  # a round after one that committed at least COMBINE_FULL TGBs; after any other
 COMBINE_FULL = 4
-# A combiner holding declared TGBs for lack of room (the head `max_steps_ahead` past the consumption
-# mark) reads the mark this often, and commits as soon as it frees COMBINE_FULL steps (or all it
-# holds) rather than at its next round: the loop trainer -> mark -> combiner -> readers is what
-# paces a fast trainer at the cap. Before a round that may be short of room, the mark it commits
-# on is at most this old.
-MARK_POLL = 0.05
+# A combiner at the cap (the head `max_steps_ahead` past the consumption mark) reads the mark about
+# once a step the trainer takes (its pace, smoothed with MARK_PACE_WEIGHT, within MARK_POLL), and
+# commits as soon as it frees COMBINE_FULL steps (or all it holds) rather than at its next round:
+# the loop trainer -> mark -> combiner -> readers is what paces a fast trainer at the cap. Before a
+# round that may be short of room, the mark it commits on is at most that old.
+MARK_PACE_WEIGHT = 0.2
+MARK_POLL = (0.05, 0.15)  # seconds between reads of the mark at the cap: at least, at most
 # A producer first looks for its declared TGBs after LOOK_FIRST, then every LOOK_EVERY, less often
 # (doubling up to LOOK_MAX) while looks find nothing of its own landed (back-pressure holds them).
 LOOK_FIRST, LOOK_EVERY, LOOK_MAX = 0.75, 0.25, 2.0
@@ -222,6 +223,7 @@ class Producer:
         self._beat_at = -math.inf
         self._last_round = 0  # TGBs (and registers) the last combine round committed
         self._log_end = -1  # the last log version known to exist when it started (combining)
+        self._mark_pace = 0.0  # steps a second the mark moved, smoothed over its reads
         self._capped = False  # the last combine round was short of room (the head at back-pressure's cap)
         self._held = 0  # declared TGBs it left for lack of room
         self._short = False  # the last round, on room the mark freed, had less declared than that room
@@ -1023,7 +1025,7 @@ class Producer:
             while True:
                 every = COMBINE_EVERY[0] if self._last_round >= COMBINE_FULL else COMBINE_EVERY[1]
                 if self._short:  # the mark freed more room than was declared: more is coming (held at sources)
-                    every = 2 * MARK_POLL
+                    every = 2 * self._mark_poll()
                 freed = await self._wait_for_round(every * (0.75 + 0.5 * self._rng.random()))
                 if self._finished:
                     return
@@ -1038,11 +1040,11 @@ class Producer:
 
     async def _wait_for_round(self, wait: float) -> bool:
         """Wait `wait` seconds for the next round; while the last one held declared TGBs for lack
-        of room, only until the consumption mark (read every MARK_POLL) frees enough of it: then
+        of room, only until the consumption mark (read every `_mark_poll()`) frees enough of it: then
         True (the round may commit what it holds without listing the intents again)."""
         deadline = self._clock() + wait
         while self._capped and (left := deadline - self._clock()) > 0:
-            await anyio.sleep(min(MARK_POLL, left))
+            await anyio.sleep(min(self._mark_poll(), left))
             await self._read_mark()
             room = decisions.room(self.manifest.state, self._mark)
             if room >= COMBINE_FULL or 0 < self._held <= room:
@@ -1065,7 +1067,7 @@ class Producer:
         """One round of combining. `held`: the consumption mark just freed room while the head
         was at the cap."""
         if decisions.room(self.manifest.state, self._mark) < 4 * COMBINE_FULL:  # else the mark can wait
-            await self._read_mark_if_stale(MARK_POLL)
+            await self._read_mark_if_stale(self._mark_poll())
         # Room freed for what it holds: commit that at once, without listing the intents again (and
         # list them then if what it held was not all valid).
         quick = held and self._held >= decisions.room(self.manifest.state, self._mark)
@@ -1175,9 +1177,18 @@ class Producer:
             other = await self.manifest.read_mark(job)
             if other is not None and now - other[1] < JOB_LIVE:
                 mark = other[0] if mark is None else min(mark, other[0])
-        self._mark_at = self._clock()
+        at, was = self._clock(), self._mark
+        if mark is not None and was is not None and mark >= was and at > self._mark_at:  # its pace, smoothed
+            self._mark_pace += MARK_PACE_WEIGHT * ((mark - was) / (at - self._mark_at) - self._mark_pace)
+        self._mark_at = at
         if mark is not None or self._mark is None:
             self._mark = mark  # a mark that went away (deleted, unreadable) keeps the last one seen
+
+    def _mark_poll(self) -> float:
+        """How often a combiner at the cap reads the mark: about once a step the trainer takes,
+        within MARK_POLL (so at 10 steps a second ten GETs a second, at 30 twenty)."""
+        pace = self._mark_pace
+        return MARK_POLL[1] if pace <= 0 else min(max(1 / pace, MARK_POLL[0]), MARK_POLL[1])
 
     def _active(self) -> int:
         """Producers with a commit record in the policy's activity window, this one included."""
