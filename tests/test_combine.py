@@ -812,7 +812,12 @@ def test_a_fast_reader_learns_of_versions_soon_after_they_land_at_a_bounded_rate
             async def produce() -> None:
                 policy = lakestream.DacPolicy(rng=random.Random(2))
                 async with lakestream.open_producer(
-                    bucket.client("producer"), "p", manifest=manifest, policy=policy, clock=now, wall=lambda: 1e9 + now()
+                    bucket.client("producer"),
+                    "p",
+                    manifest=manifest,
+                    policy=policy,
+                    clock=now,
+                    wall=lambda: 1e9 + now(),
                 ) as p:
                     for i in range(10_000):
                         await p.put({"__key__": f"s{i}", "txt": "x"}, cursor=i + 1)
@@ -822,7 +827,9 @@ def test_a_fast_reader_learns_of_versions_soon_after_they_land_at_a_bounded_rate
             await anyio.sleep(0.6)  # the reader starts some 10 steps behind the head
             follower = Manifest(bucket.client("reader"), clock=now, retries=None, rng=random.Random(3))
             follower.on_apply = lambda st: known.setdefault(st.version, now())
-            async with lakestream.open_reader(bucket.client("reader"), 0, 1, prefetch=2, follower=follower, clock=now) as r:
+            async with lakestream.open_reader(
+                bucket.client("reader"), 0, 1, prefetch=2, follower=follower, clock=now
+            ) as r:
                 asked = now()
                 async for b in r.steps(0, 300):
                     landed = bucket.created[log_key(r.state.step(b.step).version)]
