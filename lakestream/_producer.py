@@ -1283,7 +1283,7 @@ class Producer:
         if self._tg is None:
             return
         if tail and self.combine:  # (a stream's producers that commit themselves follow the log)
-            self._tg.start_soon(self._write_tail)
+            self._write_tail_soon(0, leader=False)
         every = min(self.config.snapshot_every, COMBINE_SNAPSHOT_EVERY) if self.combine else self.config.snapshot_every
         if version % every == 0:
             self._tg.start_soon(self._snapshot, self.manifest.state.copy())

@@ -386,25 +386,36 @@ async def test_a_register_declared_by_a_dead_incarnation_does_not_fence_the_next
     assert state.producers["c"].epoch == p.epoch == 1 and [s.producer for s in state.steps] == ["c"] * 3
 
 
-async def test_a_registering_producer_reads_the_version_that_registers_it_not_the_log() -> None:
-    """The register a combiner commits says where the new incarnation resumes, so it need not
-    follow the log while it waits: here its dead incarnation's last TGB lands after it loaded the
-    stream, among a hundred versions it never reads, and it resumes after that TGB."""
+async def stream_registering(*pids: str) -> tuple[MemoryStore, Manifest]:
+    """A stream (global batch 2) with producers `pids` registered, and a view of it."""
     store = MemoryStore()
     await lakestream.create(store, world_size=W, global_batch=2)
     m = Manifest(store)
     await m.load()
-    for pid in ("a", "b"):
+    for pid in pids:
         await m.append(lambda st, _, pid=pid: decisions.register(st, pid, "t-" + pid, 0.0))
+    return store, m
+
+
+async def register_declared(store: MemoryStore, pid: str) -> None:
+    """Wait until producer `pid`, starting, declared its register for a combiner."""
+    with anyio.fail_after(10):
+        while not await store.list(f"_lakestream/intents/{pid}/r-"):
+            await anyio.sleep(0.01)
+
+
+async def test_a_registering_producer_reads_the_version_that_registers_it_not_the_log() -> None:
+    """The register a combiner commits says where the new incarnation resumes, so it need not
+    follow the log while it waits: here its dead incarnation's last TGB lands after it loaded the
+    stream, among a hundred versions it never reads, and it resumes after that TGB."""
+    store, m = await stream_registering("a", "b")
     await m.append(lambda st, _: intent("b", 1, 0))
     p = lakestream.Producer(store, "b", combine=True)
     since = loaded = -1
 
     async def land() -> None:
         nonlocal since, loaded
-        with anyio.fail_after(10):
-            while not await store.list("_lakestream/intents/b/r-"):
-                await anyio.sleep(0.01)
+        await register_declared(store, "b")
         since, loaded = p.manifest.state.version, p.manifest.requests
         await m.append(lambda st, _: intent("b", 1, 1))  # the dead incarnation's, declared before it died
         for i in range(100):
@@ -427,19 +438,13 @@ async def test_a_registering_producer_finds_its_register_in_the_first_version_af
     """Where its register lands in the first version after the log's end it saw (as it does
     unless versions crowd in before the combiner lists it), the producer reads that version and
     nothing else of the log: one GET (thousands of producers start together)."""
-    store = MemoryStore()
-    await lakestream.create(store, world_size=W, global_batch=2)
-    m = Manifest(store)
-    await m.load()
-    await m.append(lambda st, _: decisions.register(st, "a", "t-a", 0.0))
+    store, m = await stream_registering("a")
     p = lakestream.Producer(store, "b", combine=True)
     loaded = -1
 
     async def land() -> None:
         nonlocal loaded
-        with anyio.fail_after(10):
-            while not await store.list("_lakestream/intents/b/r-"):
-                await anyio.sleep(0.01)
+        await register_declared(store, "b")
         loaded = p.manifest.requests
         assert await Combiner(m).round(None, 1.0) is not None  # registers b (and deletes its intent)
         await m.write_tail(m.state)
@@ -454,17 +459,11 @@ async def test_a_registering_producer_finds_its_register_in_the_first_version_af
 async def test_a_registering_producer_takes_no_register_from_a_group_that_is_a_noop_for_readers() -> None:
     """The version that holds a producer's register is decoded as every reader decodes it: a group
     with a malformed record registers nobody, so the producer does not take its register from it."""
-    store = MemoryStore()
-    await lakestream.create(store, world_size=W, global_batch=2)
-    m = Manifest(store)
-    await m.load()
-    await m.append(lambda st, _: decisions.register(st, "a", "t-a", 0.0))
+    store, m = await stream_registering("a")
     p = lakestream.Producer(store, "b", combine=True)
 
     async def land() -> None:
-        with anyio.fail_after(10):
-            while not await store.list("_lakestream/intents/b/r-"):
-                await anyio.sleep(0.01)
+        await register_declared(store, "b")
         await store.put(intent_key("a", 1, 0), encode_record(intent("a", 1, 0)))
         result = await Combiner(m).round(None, 1.0)  # registers b and commits a's TGB in one group
         assert result is not None and result.version is not None

@@ -145,32 +145,27 @@ class SimulatedS3:
         async def once() -> T:
             self.requests[counted] += 1
             d = self.delay(kind)
-            if op == "get_range" and not key.startswith(_LAKESTREAM):
-                # Segment data is written once, before anything names it: when the read takes
-                # effect cannot change what it returns, so it is one sleep, not two (the readers'
-                # range GETs are most of a simulation's requests). No rate applies outside
-                # `_lakestream/` by default; where one is configured, the token is taken now.
-                await anyio.sleep(d)
-                if not self._admit(kind, key):
-                    self.throttled[counted] += 1
-                    raise _SlowDown
-                try:
-                    return act()
-                except ObjectNotFound:
-                    self.not_found[counted] += 1
-                    raise
-            await anyio.sleep(d / 2)
+            # Arrival half-way, the answer after the other half. Segment data is written once,
+            # before anything names it: when a range GET of it takes effect cannot change what it
+            # returns, so it is one sleep, not two (the readers' range GETs are most of a
+            # simulation's requests; where a rate applies there, the token is taken at the end).
+            before = d if op == "get_range" and not key.startswith(_LAKESTREAM) else d / 2
+            after = d - before
+            await anyio.sleep(before)
             if not self._admit(kind, key):
                 self.throttled[counted] += 1
-                await anyio.sleep(d / 2)
+                if after:
+                    await anyio.sleep(after)
                 raise _SlowDown
             try:
                 result = act()
             except ObjectNotFound:
                 self.not_found[counted] += 1
-                await anyio.sleep(d / 2)
+                if after:
+                    await anyio.sleep(after)
                 raise
-            await anyio.sleep(d / 2)
+            if after:
+                await anyio.sleep(after)
             return result
 
         start = anyio.current_time()
