@@ -16,6 +16,8 @@ what it holds, and one that is not a register or commit record of that producer 
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -34,33 +36,41 @@ __all__ = ["Combiner"]
 log = logging.getLogger("lakestream.producer")
 
 FETCH_CONCURRENCY = 64  # intents fetched at once
+REFETCH_STALE = 30.0  # seconds between fetches of an intent holding a TGB too old to commit
 
 
 class Combiner:
     """One combiner's view of the declared intents (each fetched once) and its commit rounds."""
 
     def __init__(
-        self, manifest: Manifest, spawn: Callable[[Callable[[], Coroutine[Any, Any, None]]], bool] | None = None
+        self,
+        manifest: Manifest,
+        spawn: Callable[[Callable[[], Coroutine[Any, Any, None]]], bool] | None = None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.manifest = manifest
         self._intents: dict[str, RegisterRecord | CommitRecord] = {}
         # Runs work in the background (False: not now): intents that landed are deleted off the
         # path from one version to the next.
         self._spawn = spawn
+        self._wall = wall  # record times; the age of uploads (`_decisions.stale`)
+        self._refetched: dict[str, float] = {}  # intents held stale: when each was last fetched
 
-    async def round(self, consumed: int | None, now: float, *, relist: bool = True) -> AppendResult | None:
+    async def round(self, consumed: int | None, *, relist: bool = True) -> AppendResult | None:
         """Commit every valid declared intent in one version (None: nothing was declared).
         `relist=False`: only those it holds already, without reading the log or the intents first
         (a round for held TGBs that the consumption mark just made room for; the append reads the
         log on if another writer got there first)."""
         m = self.manifest
+        now = self._wall()
         if not relist and self._intents:
-            return await self._commit(consumed, now, [])
+            return await self._commit(consumed, [])
         await m.refresh()
         listed = set(await retry(lambda: m.store.list(INTENTS_PREFIX), attempts=None))
         m.requests += 1
         for key in [k for k in self._intents if k not in listed]:
             del self._intents[key]  # committed and deleted by another combiner
+        self._forget_stale(listed, now)
         done = [k for k in listed if self._done(m.state, k)]
         new = [k for k in listed if k not in self._intents and parse_intent_key(k) is not None and k not in done]
         for key in new:
@@ -83,6 +93,8 @@ class Combiner:
                 bad.append(key)
             else:
                 self._intents[key] = record
+                if _stale(record, now):
+                    self._refetched[key] = now
 
         async with anyio.create_task_group() as tg:
             for key in new:
@@ -90,13 +102,22 @@ class Combiner:
         if not self._intents:
             await self._delete(done + bad)
             return None
-        return await self._commit(consumed, now, done + bad)
+        return await self._commit(consumed, done + bad)
 
-    async def _commit(self, consumed: int | None, now: float, done: list[str]) -> AppendResult | None:
-        """Append one group of the intents held (`done`: intent keys to delete besides those it lands)."""
+    def _forget_stale(self, listed: set[str], now: float) -> None:
+        """Intents held with a TGB too old to commit are fetched again: their producer declares
+        them again, uploaded again, under the same key (each at most every REFETCH_STALE)."""
+        self._refetched = {k: t for k, t in self._refetched.items() if k in listed}
+        for key, r in list(self._intents.items()):
+            if _stale(r, now) and now - self._refetched.get(key, -math.inf) > REFETCH_STALE:
+                del self._intents[key]
+
+    async def _commit(self, consumed: int | None, done: list[str]) -> AppendResult | None:
+        """Append one group of the intents held (`done`: intent keys to delete besides those it lands);
+        decided at the time of each attempt, so that no TGB committed is `stale` then."""
         m = self.manifest
         intents = list(self._intents.values())
-        result = await m.append(lambda st, _: decisions.combine(st, intents, consumed=consumed, now=now))
+        result = await m.append(lambda st, _: decisions.combine(st, intents, consumed=consumed, now=self._wall()))
         done += [k for k in self._intents if self._done(m.state, k)]
         for key in done:
             self._intents.pop(key, None)
@@ -156,3 +177,8 @@ def _intent(key: str, data: bytes) -> RegisterRecord | CommitRecord | None:
         return r
     log.warning("intent %s does not hold what its key names: deleting it", key)
     return None
+
+
+def _stale(r: RegisterRecord | CommitRecord, now: float) -> bool:
+    """Whether intent `r` holds a TGB too old to commit (`_decisions.stale`)."""
+    return isinstance(r, CommitRecord) and any(decisions.stale(t, now) for t in r.tgbs)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ._config import LIMITS, Config
 from ._errors import ConfigMismatch, MixChanged, ProducerFenced, StepUnavailable, StreamClosed
+from ._layout import parse_segment_key
 from ._records import (
     MAIN_JOB,
     MAX_FORKS,
@@ -52,6 +53,7 @@ from ._records import (
 from ._state import ProducerState, State
 
 __all__ = [
+    "MAX_UPLOAD_AGE",
     "PendingTgb",
     "check_open",
     "checkpoint",
@@ -74,10 +76,30 @@ __all__ = [
     "reshape",
     "rewind",
     "room",
+    "stale",
     "unfork",
+    "upload_age",
 ]
 
 UNLIMITED = 1 << 30
+
+# No commit names a segment uploaded longer ago than this (by the segment key's upload time and the
+# committer's clock); producers upload again what waits half as long. GC deletes an unreferenced
+# upload only once it is older than its orphan grace (at least 300 s), judged on a state read after
+# its listing: so a segment it deletes could only still be committed by a put in flight for 180 s.
+MAX_UPLOAD_AGE = 120.0
+
+
+def upload_age(ref: TgbRef, now: float) -> float:
+    """How long before `now` `ref`'s segment was uploaded, by its key (0 for a key without an upload
+    time, which is not a producer's upload)."""
+    parsed = parse_segment_key(ref.segment)
+    return 0.0 if parsed is None else now - parsed[3]
+
+
+def stale(ref: TgbRef, now: float) -> bool:
+    """Whether `ref`'s segment is too old to commit: GC may be deleting it."""
+    return upload_age(ref, now) > MAX_UPLOAD_AGE
 
 
 def create(config: Config, now: float) -> CreateRecord:
@@ -147,10 +169,12 @@ def commit(
     """Commit the `pending` TGBs (in sequence order) that are not committed yet, as many as
     back-pressure leaves room for (`room`, with the trainer's `consumed` mark); `lost` is the
     number of races this commit has lost so far. None when all landed (an ambiguous put whose
-    answer was lost) or there is no room. On a closed stream only those up to the close; raises
-    StreamClosed when none fits. Raises ProducerFenced."""
+    answer was lost) or there is no room. Only those before the first `stale` one (the producer
+    uploads it again). On a closed stream only those up to the close; raises StreamClosed when none
+    fits. Raises ProducerFenced."""
     p = current_incarnation(state, producer, epoch, url)
     todo = [t for t in pending if t.seq > p.seq]
+    todo = todo[: next((i for i, t in enumerate(todo) if stale(t.ref, now)), len(todo))]
     if todo and state.closed_after is not None:
         check_open(state, producer, url)
         todo = todo[: state.closed_after - state.head]
@@ -175,7 +199,9 @@ def combine(
     commits, oldest declared first, each producer's in sequence order from its next one (what
     landed already is left out, so an intent whose commit landed is simply done), as many TGBs as
     back-pressure leaves room for (`room`), at most `limit` records. An intent that is not valid here (fenced, a gap in its
-    producer's sequence, sealed for another mix or shape) is left out. None when nothing is left."""
+    producer's sequence, sealed for another mix or shape) is left out, and so are its TGBs from the
+    first `stale` one on (its producer declares them again, uploaded again: a later intent may hold
+    them). None when nothing is left."""
     scratch = state.copy()
     left = room(state, consumed)
     if state.closed_after is not None:  # nothing past the close (a producer finds out: StreamClosed)
@@ -203,6 +229,9 @@ def combine(
                 break  # a gap: the intent before it is not declared (or not seen) yet
             if skip < len(c.tgbs):
                 tgbs = c.tgbs[skip : skip + left]
+                tgbs = tgbs[: next((i for i, t in enumerate(tgbs) if stale(t, now)), len(tgbs))]
+                if not tgbs:
+                    continue  # too old: declared again, uploaded again, in a later intent
                 sub = CommitRecord(pid, epoch, c.seq + skip, tgbs, 0, c.ts)
                 if scratch.take(sub) is not None:
                     break  # not valid here (sealed for another mix or shape): the producer finds out

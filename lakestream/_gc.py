@@ -7,8 +7,9 @@ In this order, so that nothing readable is ever deleted:
 2. segments no retained step, held leftover nor retained skipped TGB (`State.skipped`) references, if they can never be committed: their producer's
    committed `seq` is at least theirs (reclaimed, discarded by a rewind, or superseded), or their
    epoch is fenced; other unreferenced segments (uploads whose commit may still be on its way) only
-   once both they and their producer's last record are older than the orphan grace. The listing is
-   taken after the state was read, so a segment committed meanwhile is in the state or young;
+   once both they and their producer's last record are older than the orphan grace. The state is
+   read to the log's tail after the listing, so a segment committed before the listing is in it,
+   and one committed later was younger than `_decisions.MAX_UPLOAD_AGE` then, well within the grace;
 3. log versions and snapshots below a snapshot whose log record is older than the lease (see
    `_manifest` for why this cannot resurrect a version), snapshots first, then the hint, then the
    log in ascending order, keeping version 0 (the create record).
@@ -193,11 +194,14 @@ async def _delete(store: ObjectStore, keys: list[str], what: str, progress: Prog
         progress(what, min(i + 1000, len(keys)), len(keys))
 
 
-async def _segments(
-    store: ObjectStore, state: State, report: GcReport, progress: Progress, *, below: int, now: float, grace: float
-) -> None:
+async def _segments(m: Manifest, report: GcReport, progress: Progress, *, below: int, now: float, grace: float) -> None:
+    """Delete the segments `plan_segments` gives up, planned on the log as it is after the listing:
+    a segment committed before the listing is referenced, and one committed after it was young
+    when committed (`_decisions.stale`), so younger than the grace."""
+    store = m.store
     listed = await retry(lambda: store.list_sizes(SEGMENTS_PREFIX))
-    plan = plan_segments(state, listed, below=below, now=now, grace=grace)
+    await retry(m.refresh)
+    plan = plan_segments(m.state, listed, below=max(below, m.state.first_step), now=now, grace=grace)
     report.add(plan)
     if not report.dry_run:
         await _delete(store, list(plan.delete), "segments", progress)
@@ -248,9 +252,9 @@ async def gc(
     """Reclaim steps below the watermark and delete what nothing can need any more.
 
     `orphan_grace` is how old an unreferenced upload of a live producer must be before it goes;
-    below MIN_ORPHAN_GRACE it is refused unless `force_grace` says no producer is running (an
-    upload may wait that long for its commit: producers re-check uploads held over a minute, and
-    the commit after the re-check must land within the rest of the floor). `progress(what, done,
+    below MIN_ORPHAN_GRACE it is refused unless `force_grace` says no producer is running (a commit
+    may name an upload up to `_decisions.MAX_UPLOAD_AGE` old, and its put may be in flight a while;
+    producers upload again what waits half as long). `progress(what, done,
     total)` is called as deletions go (the CLI draws a bar with it).
     """
     if not isinstance(orphan_grace, (int, float)) or not orphan_grace >= 0:
@@ -289,13 +293,13 @@ async def gc(
                 # Nothing can be written: free what needs no record first, then write it. Steps
                 # below the watermark are needed by no retained checkpoint, and a reader that asks
                 # for one meanwhile is told it was reclaimed (StepUnavailable), as after the record.
-                await _segments(store, state, report, show, below=below, now=now(), grace=orphan_grace)
+                await _segments(m, report, show, below=below, now=now(), grace=orphan_grace)
                 await m.append(lambda st, _: decisions.reclaim(st, now()))
             state = m.state
             below = state.first_step
 
     # 2. segments, on the state after the reclaim (a dry run: as if it had landed)
-    await _segments(store, state, report, show, below=below, now=now(), grace=orphan_grace)
+    await _segments(m, report, show, below=below, now=now(), grace=orphan_grace)
 
     # 3. log versions and snapshots
     snapshots = [v for k in await retry(lambda: store.list(SNAPSHOT_PREFIX)) if (v := version_of(k)) is not None]

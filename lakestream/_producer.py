@@ -12,6 +12,7 @@ Errors of background work surface at the next `put`, `flush` or `close`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -31,7 +32,7 @@ from . import _decisions as decisions
 from . import _hooks
 from ._batching import assign_ranks, mix_counts, pack_plan, packed_cursor
 from ._combine import Combiner
-from ._errors import CorruptData, InvalidSample, ObjectNotFound, ProducerFenced, SegmentLost
+from ._errors import CorruptData, InvalidSample, ObjectNotFound, ProducerFenced
 from ._layout import COST_FIELD, INTENTS_PREFIX, intent_key, register_intent_key, segment_key
 from ._lifecycle import JOB_LIVE
 from ._manifest import Manifest, Tail
@@ -75,7 +76,9 @@ __all__ = ["Producer", "ProducerStats"]
 
 log = logging.getLogger("lakestream.producer")
 
-RECHECK_AFTER = 60.0  # seconds a TGB may wait uncommitted before its segment is checked again
+# seconds after its upload that a TGB still waiting is uploaded again (a commit never names one
+# older than `_decisions.MAX_UPLOAD_AGE`: GC may be deleting it as an orphan)
+REUPLOAD_AFTER = decisions.MAX_UPLOAD_AGE / 2
 MAX_SCAN = 32  # log versions a producer reads at once for its own commits
 FIND_UPWARDS = 2  # versions after its declaring that a registered producer reads first for its register
 HOLD_POLL = (0.01, 0.5)  # a producer held by back-pressure looks again after this, doubling to at most that
@@ -130,7 +133,7 @@ class _Tgb:
     mix: int | None = None  # the version of the mix record it was sealed for
     sources: tuple[tuple[str, int], ...] | None = None  # its samples per named source, under a mixture
     ref: TgbRef | None = None  # where it was uploaded, once it was
-    checked_at: float = -1.0  # when its segment was last seen to exist
+    data: bytes = b""  # its segment, until committed (to upload it again)
     declared_at: float | None = None  # when its intent was put (combining)
 
     @property
@@ -209,7 +212,7 @@ class Producer:
         self._mark_at = -math.inf
         # Combining: declare TGBs as intents; learn what landed from the versions after `_seen`.
         self.combine = combine
-        self._combiner = Combiner(self.manifest, self._spawn)
+        self._combiner = Combiner(self.manifest, self._spawn, self._wall)
         self._tail_lock = anyio.Lock()
         self._tail_due: tuple[int, bool] | None = None
         self._tail_writing = False
@@ -754,6 +757,7 @@ class Producer:
             await self._put_segment(key, data)
             ranks_ref = tuple((r[0], r[1], r[2], r[3]) for r in slices)
             tgb.ref, tgb.samples = TgbRef(key, ranks_ref, tgb.cursor, tgb.mix, tgb.sources, self._checksum), []
+            tgb.data = data
             self._notify()
         except Exception as e:
             self._fail(e)
@@ -810,11 +814,12 @@ class Producer:
                 committed = self._committed_seq
                 await self._look()
                 self._looks = 0 if self._committed_seq != committed else self._looks + 1
+                await self._declare_again()
         except Exception as e:
             self._fail(e)
 
     async def _declare(self, tgbs: list[_Tgb]) -> None:
-        await self._check_old_segments(tgbs)
+        await self._upload_again(tgbs)
         if not any(t.declared_at is not None for t in self._pending):
             # Nothing declared is outstanding: what is declared now can only land after the tail.
             fresh = self._clock() - self._tail_at < HOLD_POLL[1]  # read before the upload (`_room`)
@@ -829,6 +834,18 @@ class Producer:
         now = self._clock()
         for t in tgbs:
             t.declared_at = now
+
+    async def _declare_again(self) -> None:
+        """Declared TGBs still waiting REUPLOAD_AFTER after their upload (a trainer that paused, a
+        long outage) are uploaded again and declared again, all of those waiting in one intent
+        under the first one's key (a combiner holding an intent too old to commit fetches it again;
+        one it holds that is not needs no new one)."""
+        held = [t for t in self._pending if t.declared_at is not None]
+        if not await self._upload_again(held):
+            return
+        refs = tuple(t.ref for t in held if t.ref is not None)
+        data = encode_record(CommitRecord(self.id, self.epoch, held[0].seq, refs, 0, self._wall()))
+        await retry(lambda: self.store.put(intent_key(self.id, self.epoch, held[0].seq), data), attempts=None)
 
     async def _look(self) -> None:
         """Did declared TGBs land? The tail hint says where the log ends (and its beat that a
@@ -1080,7 +1097,7 @@ class Producer:
         self._notify()
 
     async def _one_round(self, *, relist: bool) -> None:
-        result = await self._combiner.round(self._mark, self._wall(), relist=relist)
+        result = await self._combiner.round(self._mark, relist=relist)
         state = self.manifest.state
         self._capped = decisions.room(state, self._mark) <= 0
         self._held = self._combiner.waiting(state) if self._capped else 0
@@ -1220,20 +1237,17 @@ class Producer:
             ready.append(t)
         return ready
 
-    async def _check_old_segments(self, ready: list[_Tgb]) -> None:
-        """GC deletes uncommitted segments older than its orphan grace (an hour by default). A TGB
-        held that long (back-pressure, a long outage) is checked before a commit names it."""
-        now = self._clock()
-        for t in ready:
-            if now - max(t.sealed_at, t.checked_at) > RECHECK_AFTER:
-                try:
-                    await retry(lambda: self.store.get_range(t.segment, 0, 1), attempts=None)
-                except ObjectNotFound:
-                    raise SegmentLost(
-                        f"{self.manifest.url}: producer {self.id!r}: segment {t.segment} of TGB {t.seq} was deleted "
-                        f"after {now - t.sealed_at:.0f} s uncommitted (GC orphan grace); restart the producer"
-                    ) from None
-                t.checked_at = now
+    async def _upload_again(self, tgbs: list[_Tgb]) -> bool:
+        """Upload again, under a new key, each of `tgbs` uploaded REUPLOAD_AFTER ago (held by
+        back-pressure, a long outage): a commit never names an upload GC may take for an orphan
+        (`_decisions.stale`). Whether any was."""
+        old = [t for t in tgbs if t.ref is not None and decisions.upload_age(t.ref, self._wall()) > REUPLOAD_AFTER]
+        for t in old:
+            assert t.ref is not None
+            key = segment_key(self.id, self.epoch, t.seq, self._wall())
+            await self._put_segment(key, t.data)
+            t.ref = dataclasses.replace(t.ref, segment=key)
+        return bool(old)
 
     def _drop_committed(self, state: State) -> None:
         p = decisions.current_incarnation(state, self.id, self.epoch, self.manifest.url)
@@ -1253,7 +1267,7 @@ class Producer:
         self.cursor = cursor
 
     async def _commit(self, ready: list[_Tgb], *, fresh: bool = False) -> None:
-        await self._check_old_segments(ready)
+        await self._upload_again(ready)
         pending = [decisions.PendingTgb(t.seq, t.ref) for t in ready if t.ref is not None]  # all uploaded
         before = self._committed_seq
 

@@ -338,7 +338,7 @@ async def test_a_producer_taking_over_commits_nothing_when_what_it_declared_land
             with anyio.fail_after(10):
                 while not await store.list("_lakestream/intents/c/"):
                     await anyio.sleep(0.01)
-            assert (await Combiner(Manifest(store)).round(None, time.time())) is not None
+            assert (await Combiner(Manifest(store)).round(None)) is not None
             with anyio.fail_after(4 * producer_module.TAKEOVER_AFTER):
                 await c.flush()
             await anyio.sleep(0.5)
@@ -420,7 +420,7 @@ async def test_a_registering_producer_reads_the_version_that_registers_it_not_th
         await m.append(lambda st, _: intent("b", 1, 1))  # the dead incarnation's, declared before it died
         for i in range(100):
             await m.append(lambda st, _, i=i: CheckpointRecord(f"c{i}", 0))
-        assert await Combiner(m).round(None, 1.0) is not None  # registers b (and deletes its intent)
+        assert await Combiner(m).round(None) is not None  # registers b (and deletes its intent)
         await m.write_tail(m.state)  # as a combining producer does
 
     with anyio.fail_after(30):
@@ -446,7 +446,7 @@ async def test_a_registering_producer_finds_its_register_in_the_first_version_af
         nonlocal loaded
         await register_declared(store, "b")
         loaded = p.manifest.requests
-        assert await Combiner(m).round(None, 1.0) is not None  # registers b (and deletes its intent)
+        assert await Combiner(m).round(None) is not None  # registers b (and deletes its intent)
         await m.write_tail(m.state)
 
     with anyio.fail_after(30):
@@ -465,7 +465,7 @@ async def test_a_registering_producer_takes_no_register_from_a_group_that_is_a_n
     async def land() -> None:
         await register_declared(store, "b")
         await store.put(intent_key("a", 1, 0), encode_record(intent("a", 1, 0)))
-        result = await Combiner(m).round(None, 1.0)  # registers b and commits a's TGB in one group
+        result = await Combiner(m).round(None)  # registers b and commits a's TGB in one group
         assert result is not None and result.version is not None
         key = f"_lakestream/log/{result.version:020d}.json"
         data = await store.get(key)

@@ -13,7 +13,6 @@ from lakestream import ConfigMismatch, ProducerFenced, StepUnavailable
 from lakestream._cli import status_dict
 from lakestream._layout import segment_key
 from lakestream._manifest import LOG_PREFIX, SNAPSHOT_PREFIX, Manifest, log_key
-from lakestream._pacing import IntervalPolicy
 from lakestream._store import FileStore, MemoryStore
 
 B = 4
@@ -321,34 +320,3 @@ async def test_producers_can_collect_garbage_in_the_background() -> None:
                 await anyio.sleep(0.02)
     state = await lakestream.load_state(store)
     assert sorted(await store.list("segments/")) == sorted(s.segment for s in state.steps)
-
-
-async def test_a_segment_deleted_before_its_commit_is_never_committed() -> None:
-    """GC may delete an upload held longer than its orphan grace; the producer must notice."""
-    store = MemoryStore()
-    await lakestream.create(store, world_size=1, global_batch=1)
-    now = [0.0]
-    # held by its commit policy (back-pressure holds a producer before the upload instead)
-    p = lakestream.Producer(store, "p", clock=lambda: now[0], policy=IntervalPolicy(interval=3600))
-    await p.__aenter__()
-    try:
-        await p.put({"txt": "0"}, cursor=1)
-        await p.flush()
-        await p.put({"txt": "1"}, cursor=2)  # uploaded; its commit waits for the interval
-        with anyio.fail_after(5):
-            while len(await store.list("segments/")) < 2:
-                await anyio.sleep(0.01)
-        held = [
-            k
-            for k in await store.list("segments/")
-            if k not in {s.segment for s in (await lakestream.load_state(store)).steps}
-        ]
-        await store.delete(held)  # what GC does to an orphan older than its grace
-        now[0] += 3600
-        with pytest.raises(lakestream.SegmentLost, match="was deleted after 3600 s uncommitted"):
-            with anyio.fail_after(10):
-                await p.flush()
-    finally:
-        await p.aclose()
-    state = await lakestream.load_state(store)
-    assert state.head == 0 and state.producers["p"].cursor == 1 and (await lakestream.verify(store)).ok

@@ -761,6 +761,18 @@ async def check_fork(run: Run, source_steps: dict[int, list[Any]]) -> list[str]:
     return [x if x.startswith("fork") else f"fork: {x}" for x in fails]
 
 
+def check_no_retained_segment_deleted(run: Run, st: Any) -> list[str]:
+    """No GC run deleted the segment of a step the final state retains (named by run)."""
+    fails = []
+    for key, who in run.deleted_by.items():
+        at = run.by_segment.get(key)
+        if at is None or at in run.discarded or at[0] < st.first_step or at[0] > st.head:
+            continue
+        if (e := st.step(at[0])) is not None and e.segment == key:
+            fails.append(f"{who} deleted {key}, the segment of retained step {at[0]} (version {at[1]})")
+    return fails[:10] + ([f"... {len(fails) - 10} more"] if len(fails) > 10 else [])
+
+
 async def check_all(run: Run) -> None:
     """Every end-of-run check, in order, into `run.failures`."""
     import anyio
@@ -768,6 +780,7 @@ async def check_all(run: Run) -> None:
     st = await run.refresh()
     fails = run.failures
     fails += check_gap_free_order(run, st)
+    fails += check_no_retained_segment_deleted(run, st)
     fails += check_sources_finished(run, st)
     run.out(f"[{run.now():7.1f}] final gc done; checking")
     final, read_fails = await read_retained_steps(run, st)

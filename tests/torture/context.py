@@ -42,7 +42,9 @@ class Config:
     policies: tuple[str, ...] = ("dac", "combine", "eager", "interval")  # producer k commits with policies[k % len]
     checkpoint_every: int = 6  # steps
     gc_every: float = 3.0  # seconds (jittered)
-    orphan_grace: float = 30.0  # 5 s lost data in a long run (upload-to-commit latency reached 12 s)
+    # GC's, forced below the 300 s floor so that orphans of live producers go within a run; above
+    # `MAX_UPLOAD_AGE` (120 s), the oldest upload a commit may name, plus a minute for a commit in flight
+    orphan_grace: float = 180.0
     producer_kill_every: float = 2.5  # mean seconds between SIGKILLs of some producer
     reader_kill_every: float = 6.0  # ... of some reader process
     mount_kill_every: float = 20.0  # ... of the mount daemon
@@ -149,6 +151,7 @@ class Run:
         self.seen_at: dict[tuple[int, int], float] = {}  # wall time first observed
         self.by_segment: dict[str, tuple[int, int]] = {}
         self.discarded: set[tuple[int, int]] = set()
+        self.deleted_by: dict[str, str] = {}  # object key -> the GC run (`gc.N`) that deleted it
         self.reclaimed_at: dict[int, float] = {}
         self.first_step = 0
         self.rewinds_seen = 0
@@ -159,7 +162,7 @@ class Run:
         # to_step just before it and just after it, the skipped TGBs, producers before and after
         self.rewind_seen: dict[str, Any] | None = None
         self.producers_seen: dict[str, tuple[int, Any]] = {}  # producer -> (epoch, cursor) at the last version
-        self.latencies: list[float] = []  # commit record ts - segment upload time
+        self.latencies: list[float] = []  # when the follower saw the commit - segment upload time
         self.late_commits: list[tuple[int, int, str, float]] = []  # committed later than the orphan grace
         # what the readers journaled: (step, version, rank) -> (digest, samples, producer), as first read
         self.contents: dict[tuple[int, int, int], tuple[str, list[Any], str]] = {}
@@ -250,9 +253,10 @@ class Run:
                 out[o["Key"][len(root) :]] = o["Size"]
         return out
 
-    def account_deleted(self, before: dict[str, int], after: dict[str, int]) -> None:
+    def account_deleted(self, before: dict[str, int], after: dict[str, int], who: str) -> None:
         for k, size in before.items():
             if k not in after:
+                self.deleted_by[k] = who
                 kind = (
                     "segments" if k.startswith("segments/") else "log" if "/log/" in k
                     else "snapshots" if "/snapshots/" in k else "other"
@@ -311,10 +315,10 @@ class Run:
                 self.by_segment[e.segment] = key
                 self.seen_at[key] = now
                 up = upload_time(e.segment)
-                if up is not None:
-                    self.latencies.append(e.ts - up)
-                    if e.ts - up > self.cfg.orphan_grace:  # GC could have deleted it before the commit
-                        self.late_commits.append((s, e.version, e.producer, round(e.ts - up, 2)))
+                if up is not None:  # (a combined commit's record time is its intent's: when it was declared)
+                    self.latencies.append(now - up)
+                    if now - up > self.cfg.orphan_grace:  # GC could have deleted it before the commit
+                        self.late_commits.append((s, e.version, e.producer, round(now - up, 2)))
 
     async def follow(self) -> None:
         """Refresh the follower forever (a task of the driver's task group)."""

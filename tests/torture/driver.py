@@ -506,7 +506,7 @@ class Driver:
         for _attempt in range(10):
             before = run.list_objects()
             rc, text = await run.run_cli("gc", run.url, "--orphan-grace", 0, "--force-grace", name="gc-final")
-            run.account_deleted(before, run.list_objects())
+            run.account_deleted(before, run.list_objects(), "gc-final")
             if rc == 0:
                 run.counts["gc_ok"] += 1
                 run.fig["final_gc"] = text.strip().splitlines()[-1]

@@ -472,7 +472,7 @@ class Gc:
         run = self.run
         rc = self.child.popen.returncode
         after = await anyio.to_thread.run_sync(run.list_objects)
-        run.account_deleted(self.before, after)
+        run.account_deleted(self.before, after, f"gc.{self.child.inc}")
         text = self.child.text()
         self.seconds.append(time.monotonic() - self.child.started)
         if m := re.search(r"\((\d+) recent uploads kept\)", text):
