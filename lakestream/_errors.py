@@ -107,7 +107,8 @@ class MixChanged(LakestreamError):
 class SegmentLost(LakestreamError):
     """A producer's uploaded segment was deleted (by GC, as an old orphan) before its commit.
 
-    Nothing refers to it; restart the producer and it re-produces from its last committed cursor.
+    Not raised by this version: producers upload again what waits (`_decisions.MAX_UPLOAD_AGE`);
+    kept so that code catching it still runs.
     """
 
 

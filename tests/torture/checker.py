@@ -874,7 +874,7 @@ def figures(run: Run, gc_seconds: list[float]) -> None:
         )
     if lat:
         fig["commit_latency_s"] = (
-            f"segment upload to commit record: p50 {statistics.median(lat):.2f}, "
+            f"segment upload to the commit seen by the follower: p50 {statistics.median(lat):.2f}, "
             f"p99 {lat[int(0.99 * (len(lat) - 1))]:.2f}, max {lat[-1]:.2f} (orphan grace {run.cfg.orphan_grace:g})"
         )
     fig["commits_later_than_the_grace"] = f"{len(run.late_commits)} {run.late_commits[:5]}"
