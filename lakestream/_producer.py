@@ -35,7 +35,7 @@ from ._combine import Combiner
 from ._errors import CorruptData, InvalidSample, ObjectNotFound, ProducerFenced
 from ._layout import COST_FIELD, INTENTS_PREFIX, intent_key, register_intent_key, segment_key
 from ._lifecycle import JOB_LIVE
-from ._manifest import Manifest, Tail
+from ._manifest import AppendResult, Manifest, Tail
 from ._pacing import AttemptOutcome, CommitPolicy, Observation, make_policy
 from ._records import (
     CheckpointRecord,
@@ -143,6 +143,10 @@ class _Tgb:
     @property
     def segment(self) -> str:
         return self.ref.segment if self.ref is not None else ""
+
+
+class _UploadAgain(Exception):
+    """A record was about to name an upload too old to commit (see `Producer._append_fresh`)."""
 
 
 @dataclass(slots=True)
@@ -550,7 +554,8 @@ class Producer:
                 f"{self.manifest.url}: producer {self.id!r} cannot pack the held leftovers: {e}"
             ) from None
         done: dict[str, set[int]] = {pid: set() for pid, _ in held}
-        pending = []
+        pending: list[decisions.PendingTgb] = []
+        blobs: list[bytes] = []
         for k, tgb in enumerate(plan):
             step = head + 1 + k
             samples = [parts[pid][0][i] for pid, i in tgb]
@@ -568,6 +573,7 @@ class Producer:
             seq, self._next_seq = self._next_seq, self._next_seq + 1
             key = segment_key(self.id, self.epoch, seq, self._wall())
             await self._put_segment(key, data)
+            blobs.append(data)
             counts: dict[str, int] = {}
             for pid, i in tgb:
                 counts[pid] = counts.get(pid, 0) + 1
@@ -596,7 +602,7 @@ class Producer:
                 state, self.id, self.epoch, pending, packs, lost, self._wall(), force=force, url=self.manifest.url
             )
 
-        result = await self.manifest.append(decide)
+        result = await self._append_fresh(decide, pending, blobs)
         self._metrics.appended(result)
         self._drop_committed(self.manifest.state)
         if result.version is not None:
@@ -627,7 +633,7 @@ class Producer:
         self._metrics.uploaded(len(data))
         self.stats.bytes_uploaded += len(data)
 
-    async def _upload_leftover(self) -> tuple[decisions.PendingTgb, tuple[int, int, int]]:
+    async def _upload_leftover(self) -> tuple[decisions.PendingTgb, tuple[int, int, int], bytes]:
         """Upload the open partial batch as this producer's leftover: one slice of its samples, then
         each sample's cursor, source and cost as JSON (what a packer needs to cut it anywhere)."""
         samples, self._samples = self._samples, []
@@ -645,17 +651,18 @@ class Producer:
         blob = data + side
         await self._put_segment(key, blob)
         ref = TgbRef(key, (tuple(slices[0]),), self._last_cursor, self._mix, sources, self._checksum)  # type: ignore[arg-type]
-        return decisions.PendingTgb(seq, ref), (len(data), len(side), zlib.crc32(side))
+        return decisions.PendingTgb(seq, ref), (len(data), len(side), zlib.crc32(side)), blob
 
-    async def _finish(self, leftover: tuple[decisions.PendingTgb, tuple[int, int, int]] | None) -> None:
-        tgb, cursors = leftover if leftover is not None else (None, None)
+    async def _finish(self, leftover: tuple[decisions.PendingTgb, tuple[int, int, int], bytes] | None) -> None:
+        tgbs, cursors, blobs = ([leftover[0]], leftover[1], [leftover[2]]) if leftover is not None else ([], None, [])
         if self.combine:
             await self._follow_to_tail()  # a combining producer does not follow the log
 
         def decide(state: State, _: int) -> Record | None:
+            tgb = tgbs[0] if tgbs else None
             return decisions.finish(state, self.id, self.epoch, tgb, cursors, self._wall(), self.manifest.url)
 
-        result = await self.manifest.append(decide)
+        result = await self._append_fresh(decide, tgbs, blobs)
         self._metrics.appended(result)
         self._drop_committed(self.manifest.state)
         if self.combine:  # it combines no more: its tail hint names none, so another takes over soon
@@ -664,6 +671,29 @@ class Producer:
             self._appended(result.version, tail=not self.combine)
             if self.combine:
                 await self._write_tail()
+
+    async def _append_fresh(
+        self, decide: Callable[[State, int], Record | None], tgbs: list[decisions.PendingTgb], blobs: list[bytes]
+    ) -> AppendResult:
+        """Append `decide`'s record, which names the uploads `tgbs` (whose bytes are `blobs`): if
+        one is too old to name when it decides (`_decisions.stale`: an append retried through a
+        long outage), each is uploaded again under a new key, in place in `tgbs`, and it decides
+        again."""
+
+        def fresh(state: State, lost: int) -> Record | None:
+            record = decide(state, lost)
+            if record is not None and any(decisions.stale(t.ref, self._wall()) for t in tgbs):
+                raise _UploadAgain
+            return record
+
+        while True:
+            try:
+                return await self.manifest.append(fresh)
+            except _UploadAgain:
+                for i, (t, blob) in enumerate(zip(tgbs, blobs, strict=True)):
+                    key = segment_key(self.id, self.epoch, t.seq, self._wall())
+                    await self._put_segment(key, blob)
+                    tgbs[i] = decisions.PendingTgb(t.seq, dataclasses.replace(t.ref, segment=key))
 
     async def _read_leftover(
         self, pid: str, held: Leftover

@@ -165,3 +165,34 @@ async def test_a_combiner_fetches_again_an_intent_too_old_to_commit() -> None:
     wall[0] += combine_module.REFETCH_STALE + 1
     assert landed(await c.round(None))
     assert m.state.head == 0 and m.state.steps[0].segment == again.segment
+
+
+class SlowUpload(MemoryStore):
+    """A store whose first segment put takes `delay` seconds of the producer's wall clock."""
+
+    def __init__(self, wall: list[float], delay: float) -> None:
+        super().__init__()
+        self.wall, self.delay = wall, delay
+
+    async def put(self, key: str, data: bytes) -> None:
+        await super().put(key, data)
+        if key.startswith(SEGMENTS_PREFIX) and self.delay:
+            self.wall[0] += self.delay
+            self.delay = 0.0
+
+
+async def test_a_leftover_uploaded_too_long_before_its_finish_record_is_uploaded_again() -> None:
+    """A finish record never names an upload too old to commit either (its append may retry
+    through a long outage): the leftover is uploaded again and the record names that one."""
+    wall = [time.time()]
+    store = SlowUpload(wall, decisions.MAX_UPLOAD_AGE + 1)
+    await lakestream.create(store, world_size=1, global_batch=2)
+    m = Manifest(store)
+    await m.load()
+    await m.append(lambda st, _: decisions.register(st, "b", "t", 0.0))  # still producing: "a"'s leftover is held
+    async with lakestream.open_producer(store, "a", wall=lambda: wall[0]) as p:
+        await p.put({"txt": "0"}, cursor=1)  # a partial global batch: the leftover
+    state = await lakestream.load_state(store)
+    held = state.leftovers["a"].ref
+    assert not decisions.stale(held, wall[0]) and held.segment in await store.list(SEGMENTS_PREFIX)
+    assert len(await store.list(SEGMENTS_PREFIX)) == 2  # the first upload is an orphan for GC
