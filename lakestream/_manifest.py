@@ -215,8 +215,8 @@ class Manifest:
 
     async def load(self, *, follow: bool = True) -> State:
         """(Re)build the state from the newest usable snapshot and the log after it; without
-        `follow`, from the newest snapshot alone (or, with none, version 0): a view that may be
-        behind the log, for a combining producer (see `Producer`).
+        `follow`, from the newest snapshot alone (or, with no snapshot hint, version 0): a view that
+        may be behind the log, for a combining producer (see `Producer`).
 
         Raises StreamNotFound if the stream was never created, CorruptData if no usable snapshot
         covers a hole in the log (versions missing below others that exist).
@@ -224,7 +224,7 @@ class Manifest:
         started = self.clock()
         self.problems = []
         self._missing = ""
-        state, hinted = await self._newest_snapshot()
+        state, hinted = await self._newest_snapshot(listing=follow)
         self.state = state or State()
         self.confirmed_at = started  # the hint is as fresh as the moment it was read (rule 1)
         if not follow and state is None and (data := await self.read_version(0)) is not None:
@@ -267,10 +267,15 @@ class Manifest:
         log.warning("%s; falling back to an older snapshot or the log", e)
         self.problems.append(str(e))
 
-    async def _newest_snapshot(self) -> tuple[State | None, bool]:
-        """The newest usable snapshot, and whether it is the one the hint names."""
+    async def _newest_snapshot(self, *, listing: bool = True) -> tuple[State | None, bool]:
+        """The newest usable snapshot, and whether it is the one the hint names. Without `listing`,
+        none when there is no hint (a view that need not be the newest: every snapshot writer
+        points the hint at its snapshot, and GC deletes no log version before it did, so the log
+        is whole from version 0; thousands of producers starting save a LIST each)."""
         hint = await self._get(HINT_KEY)
         self.requests += 1
+        if hint is None and not listing:
+            return None, False
         tried = None
         if hint is not None:
             try:

@@ -456,6 +456,44 @@ async def test_a_registering_producer_finds_its_register_in_the_first_version_af
                 assert p.epoch == 1 and p.manifest.requests - loaded == 1
 
 
+class Listing(MemoryStore):
+    """A store that records the prefixes listed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listed: list[str] = []
+
+    async def list(self, prefix: str) -> list[str]:
+        self.listed.append(prefix)
+        return await super().list(prefix)
+
+
+async def test_a_producer_starting_on_a_stream_with_no_snapshot_hint_lists_no_snapshots() -> None:
+    """Thousands start together on a new stream: with no snapshot hint the log is whole from
+    version 0 (every snapshot writer points the hint at its snapshot before GC deletes a version),
+    so a combining producer starts from version 0 without listing the snapshots."""
+    store = Listing()
+    await lakestream.create(store, world_size=W, global_batch=2)
+    m = Manifest(store)
+    await m.load()
+    await m.append(lambda st, _: decisions.register(st, "a", "t-a", 0.0))
+    await m.write_tail(m.state)
+    p = lakestream.Producer(store, "b", combine=True)
+    store.listed.clear()
+
+    async def land() -> None:
+        await register_declared(store, "b")
+        assert await Combiner(m).round(None) is not None
+        await m.write_tail(m.state)
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(land)
+            async with p:
+                assert p.epoch == 1 and p.manifest.state.config is not None
+    assert "_lakestream/snapshots/" not in store.listed, store.listed
+
+
 async def test_a_registering_producer_takes_no_register_from_a_group_that_is_a_noop_for_readers() -> None:
     """The version that holds a producer's register is decoded as every reader decodes it: a group
     with a malformed record registers nobody, so the producer does not take its register from it."""
