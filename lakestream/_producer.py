@@ -820,12 +820,15 @@ class Producer:
     # -- combining (see `_combine`) -------------------------------------------------------------
 
     async def _declarer(self) -> None:
-        """Declare each run of uploaded TGBs as one intent, then learn when they land."""
+        """Declare each run of uploaded TGBs as one intent as soon as it is uploaded, then learn when
+        they land. Back-pressure held the upload (`_room(for_upload=True)`); the combiner holds
+        what it cannot commit yet and commits it the moment the mark frees room, so a producer
+        waits for the room by looking for its TGBs, not by reading the mark and the tail hint."""
         try:
             while True:
                 fresh = [t for t in self._ready() if t.declared_at is None]
                 if fresh:
-                    await self._room()  # checked again by the combiner, on the state it commits on
+                    self._check()
                     await self._declare(fresh)
                     continue
                 if not self._pending:
