@@ -47,12 +47,15 @@ so (`truncated`, `simulated_s`). `--json` prints one JSON object per row on stdo
 from __future__ import annotations
 
 import argparse
+import heapq
+import itertools
 import json
 import math
 import os
 import random
 import sys
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -107,10 +110,21 @@ def prepare_process(seed: int) -> None:
     anyio.to_thread.run_sync = _inline  # type: ignore[assignment]
     metrics.set_enabled(False)  # scrape-time bookkeeping of thousands of clients: not measured here
     _RNG.seed(seed)  # the jitter of retries that are given no random source
+    ids = random.Random(seed)  # producers' tokens and segment keys' random part (they order listings and sets)
+    uuid.uuid4 = lambda: uuid.UUID(int=ids.getrandbits(128), version=4)  # type: ignore[assignment]
     try:
         import trio._core._run as trio_run  # trio shuffles the order of runnable tasks
 
         trio_run._r.seed(seed)
+        # and orders timers due at one instant by `id()` of their cancel scopes: by memory layout,
+        # which differs from process to process. By the order they were set instead.
+        order = itertools.count()
+
+        def add(self: Any, deadline: float, cancel_scope: Any) -> None:
+            heapq.heappush(self._heap, (deadline, next(order), cancel_scope))
+            self._active += 1
+
+        trio_run.Deadlines.add = add
     except (ImportError, AttributeError):  # pragma: no cover - another trio
         pass
 
