@@ -89,11 +89,13 @@ COMBINE_EVERY = (0.25, 0.5)  # a round after one that committed at least COMBINE
 COMBINE_FULL = 4
 # A combiner at the cap (the head `max_steps_ahead` past the consumption mark) reads the mark about
 # once a step the trainer takes (its pace, smoothed with MARK_PACE_WEIGHT, within MARK_POLL), and
-# commits as soon as it frees COMBINE_FULL steps (or all it holds) rather than at its next round:
+# commits as soon as it frees COMBINE_FULL steps, CAP_BATCH_TIME of them at a slow pace (or all it
+# holds), rather than at its next round:
 # the loop trainer -> mark -> combiner -> readers is what paces a fast trainer at the cap. Before a
 # round that may be short of room, the mark it commits on is at most that old.
 MARK_PACE_WEIGHT = 0.2
 MARK_POLL = (0.05, 0.15)  # seconds between reads of the mark at the cap: at least, at most
+CAP_BATCH_TIME = 0.2  # seconds of the trainer's steps a combiner at the cap commits at once, at most
 # A producer first looks for its declared TGBs after LOOK_FIRST, then every LOOK_EVERY, less often
 # (doubling up to LOOK_MAX) while looks find nothing of its own landed (back-pressure holds them).
 LOOK_FIRST, LOOK_EVERY, LOOK_MAX = 0.75, 0.25, 2.0
@@ -1097,7 +1099,7 @@ class Producer:
             await anyio.sleep(min(self._mark_poll(), left))
             await self._read_mark()
             room = decisions.room(self.manifest.state, self._mark)
-            if room >= COMBINE_FULL or 0 < self._held <= room:
+            if room >= self._cap_batch() or 0 < self._held <= room:
                 return True
         if (left := deadline - self._clock()) > 0:
             await anyio.sleep(left)
@@ -1233,6 +1235,12 @@ class Producer:
         self._mark_at = at
         if mark is not None or self._mark is None:
             self._mark = mark  # a mark that went away (deleted, unreadable) keeps the last one seen
+
+    def _cap_batch(self) -> int:
+        """How many steps the mark must free before a combiner at the cap commits what it holds:
+        COMBINE_FULL, or fewer at a slow trainer's pace (what it takes in CAP_BATCH_TIME, at least
+        one), so that TGBs wait for room at most about that long more than they must."""
+        return min(COMBINE_FULL, max(1, round(CAP_BATCH_TIME * self._mark_pace)))
 
     def _mark_poll(self) -> float:
         """How often a combiner at the cap reads the mark: about once a step the trainer takes,
