@@ -102,6 +102,11 @@ def stale(ref: TgbRef, now: float) -> bool:
     return upload_age(ref, now) > MAX_UPLOAD_AGE
 
 
+def _young(refs: Sequence[TgbRef], now: float) -> int:
+    """How many of `refs` come before the first `stale` one."""
+    return next((i for i, r in enumerate(refs) if stale(r, now)), len(refs))
+
+
 def create(config: Config, now: float) -> CreateRecord:
     return CreateRecord(config, now)
 
@@ -174,7 +179,7 @@ def commit(
     fits. Raises ProducerFenced."""
     p = current_incarnation(state, producer, epoch, url)
     todo = [t for t in pending if t.seq > p.seq]
-    todo = todo[: next((i for i, t in enumerate(todo) if stale(t.ref, now)), len(todo))]
+    todo = todo[: _young([t.ref for t in todo], now)]
     if todo and state.closed_after is not None:
         check_open(state, producer, url)
         todo = todo[: state.closed_after - state.head]
@@ -229,7 +234,7 @@ def combine(
                 break  # a gap: the intent before it is not declared (or not seen) yet
             if skip < len(c.tgbs):
                 tgbs = c.tgbs[skip : skip + left]
-                tgbs = tgbs[: next((i for i, t in enumerate(tgbs) if stale(t, now)), len(tgbs))]
+                tgbs = tgbs[: _young(tgbs, now)]
                 if not tgbs:
                     continue  # too old: declared again, uploaded again, in a later intent
                 sub = CommitRecord(pid, epoch, c.seq + skip, tgbs, 0, c.ts)

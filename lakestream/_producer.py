@@ -693,9 +693,7 @@ class Producer:
                 return await self.manifest.append(fresh)
             except _UploadAgain:
                 for i, (t, blob) in enumerate(zip(tgbs, blobs, strict=True)):
-                    key = segment_key(self.id, self.epoch, t.seq, self._wall())
-                    await self._put_segment(key, blob)
-                    tgbs[i] = decisions.PendingTgb(t.seq, dataclasses.replace(t.ref, segment=key))
+                    tgbs[i] = decisions.PendingTgb(t.seq, await self._put_again(t.seq, t.ref, blob))
 
     async def _read_leftover(
         self, pid: str, held: Leftover
@@ -861,10 +859,7 @@ class Producer:
             if (tail := self._last_tail if fresh else await self._read_tail()) is not None:
                 self._seen = max(self._seen, tail.version)
             self._moved_at = self._clock()
-        refs = tuple(t.ref for t in tgbs if t.ref is not None)
-        data = encode_record(CommitRecord(self.id, self.epoch, tgbs[0].seq, refs, 0, self._wall()))
-        key = intent_key(self.id, self.epoch, tgbs[0].seq)
-        await retry(lambda: self.store.put(key, data), attempts=None)
+        await self._put_intent(tgbs)
         self.stats.commit_attempts += 1
         now = self._clock()
         for t in tgbs:
@@ -876,11 +871,14 @@ class Producer:
         under the first one's key (a combiner holding an intent too old to commit fetches it again;
         one it holds that is not needs no new one)."""
         held = [t for t in self._pending if t.declared_at is not None]
-        if not await self._upload_again(held):
-            return
-        refs = tuple(t.ref for t in held if t.ref is not None)
-        data = encode_record(CommitRecord(self.id, self.epoch, held[0].seq, refs, 0, self._wall()))
-        await retry(lambda: self.store.put(intent_key(self.id, self.epoch, held[0].seq), data), attempts=None)
+        if await self._upload_again(held):
+            await self._put_intent(held)
+
+    async def _put_intent(self, tgbs: list[_Tgb]) -> None:
+        """Declare the uploaded run `tgbs` in one intent, under the key of its first TGB."""
+        refs = tuple(t.ref for t in tgbs if t.ref is not None)
+        data = encode_record(CommitRecord(self.id, self.epoch, tgbs[0].seq, refs, 0, self._wall()))
+        await retry(lambda: self.store.put(intent_key(self.id, self.epoch, tgbs[0].seq), data), attempts=None)
 
     async def _look(self) -> None:
         """Did declared TGBs land? The tail hint says where the log ends (and its beat that a
@@ -1285,10 +1283,14 @@ class Producer:
         old = [t for t in tgbs if t.ref is not None and decisions.upload_age(t.ref, self._wall()) > REUPLOAD_AFTER]
         for t in old:
             assert t.ref is not None
-            key = segment_key(self.id, self.epoch, t.seq, self._wall())
-            await self._put_segment(key, t.data)
-            t.ref = dataclasses.replace(t.ref, segment=key)
+            t.ref = await self._put_again(t.seq, t.ref, t.data)
         return bool(old)
+
+    async def _put_again(self, seq: int, ref: TgbRef, data: bytes) -> TgbRef:
+        """Upload TGB `seq`'s segment `data` again under a new key (a new upload time): `ref` there."""
+        key = segment_key(self.id, self.epoch, seq, self._wall())
+        await self._put_segment(key, data)
+        return dataclasses.replace(ref, segment=key)
 
     def _drop_committed(self, state: State) -> None:
         p = decisions.current_incarnation(state, self.id, self.epoch, self.manifest.url)
