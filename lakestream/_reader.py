@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +26,7 @@ import numpy as np
 from . import _decisions as decisions
 from . import _hooks
 from ._batching import reslice
+from ._buffers import pool
 from ._errors import ConfigMismatch, CorruptData, ObjectNotFound, StepUnavailable
 from ._lifecycle import checkpoint as _checkpoint
 from ._manifest import Manifest
@@ -589,12 +589,11 @@ class Reader:
 
     async def fetch_raw(self, entry: Step, rank: int) -> RawSlice:
         """Any rank's slice of a committed step, checked and indexed but not decoded: the store's
-        buffer itself if it cannot change (`bytes`, an S3 response's read-only buffer), else a copy."""
+        buffer itself (`bytes`, an S3 response's read-only buffer, a file store's pooled read),
+        which nothing else writes to."""
         if not 0 <= rank < len(entry.ranks):
             raise ValueError(f"{self.url}: rank {rank} is out of range for world size {len(entry.ranks)}")
         data = await self._get_slice(entry, rank)
-        if _may_change(data):  # a mapped file can change after the check: check and keep a copy
-            data = await anyio.to_thread.run_sync(bytes, data)
         where = self._where(entry, rank)
 
         def check() -> tuple[bytes, list[FieldRef], dict[str, Block]]:
@@ -652,16 +651,6 @@ class Reader:
         return data
 
 
-def _may_change(data: Any) -> bool:
-    """Whether a buffer a store returned can change after it is checked: a mapped file's range or
-    a writable buffer may; `bytes` and a read-only view of anything else (an S3 response's
-    buffer) may not, and are kept as they are."""
-    if isinstance(data, bytes):
-        return False
-    view = memoryview(data)
-    return not view.readonly or isinstance(view.obj, mmap.mmap)
-
-
 def _samples_of(files: list[FieldRef]) -> list[list[FieldRef]]:
     """A slice's field refs grouped by sample (a sample's fields are adjacent, under one key)."""
     groups: list[list[FieldRef]] = []
@@ -677,11 +666,11 @@ def _columns(
     data: Any, digest: int | None, checksum: str, where: str, lo: int, hi: int, whole: bool
 ) -> tuple[int, list[str], dict[str, Any]]:
     """`decode_columns` of a slice checked against `digest` (None: not checked). With `whole`
-    (the columns are the batch), a read-only buffer with array blocks is copied once, so that
-    the arrays handed out are writable views of that copy."""
+    (the columns are the batch), a read-only buffer with array blocks is copied once, into pooled
+    memory, so that the arrays handed out are writable views of that copy."""
     index = parse_slice(data, where)
     if whole and index.blocks and memoryview(data).readonly:
-        data = bytearray(data)
+        data = pool.copy(data)
     if digest is not None:
         check_slice(data, digest, where, checksum)
     n, keys, columns = decode_columns(data, where, lo, hi)

@@ -25,7 +25,8 @@ class ObjectStore(Protocol):
     async def get_range(self, key: str, offset: int, length: int) -> bytes:
         """`length` bytes from `offset` (fewer only at the end of the object). Raises ObjectNotFound.
 
-        May return any read-only bytes-like object (the file store maps large ranges).
+        May return any bytes-like object that nothing else writes to (a writable one is the
+        caller's: the file store reads large ranges into pooled memory, _buffers.py).
         """
 
     async def put(self, key: str, data: bytes) -> None:

@@ -11,7 +11,6 @@ Blocking calls run in worker threads.
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import time
 import uuid
@@ -20,12 +19,11 @@ from pathlib import Path
 
 import anyio.to_thread
 
+from .._buffers import MIN_POOLED, pool
 from .._errors import AccessDenied, CorruptData, LakestreamError, ObjectNotFound, StoreError, StoreFull
 from .._layout import TMP_SUFFIX
 
 __all__ = ["FileStore"]
-
-MMAP_THRESHOLD = 1 << 20
 
 
 class FileStore:
@@ -49,25 +47,22 @@ class FileStore:
                 size = os.fstat(f.fileno()).st_size
                 if length is not None:
                     length = max(0, min(length, size - offset))  # a range past the end is cut short
-                if length is not None and length >= MMAP_THRESHOLD and offset + length <= size:
-                    # Large ranges of immutable objects are mapped, not copied: the mapping
-                    # outlives the file's name (replace and delete only unlink it).
-                    base = offset - offset % mmap.ALLOCATIONGRANULARITY
-                    m = mmap.mmap(f.fileno(), offset + length - base, offset=base, access=mmap.ACCESS_READ)
-                    return memoryview(m)[offset - base :]  # type: ignore[return-value]
                 if offset:
                     f.seek(offset)
                 if length is None:
                     return f.read()
-                buf = bytearray(length)
-                view = memoryview(buf)
+                # Large ranges go to reused memory, the caller's alone: readers hand out views of
+                # it without a copy (_buffers.py: fresh memory costs more than the read).
+                buf = pool.take(length)
                 got = 0
                 while got < length:
-                    n = f.readinto(view[got:])
+                    n = f.readinto(buf[got:])
                     if not n:
                         break
                     got += n
-                return bytes(buf) if got == length else bytes(buf[:got])
+                if length < MIN_POOLED:
+                    return bytes(buf[:got])
+                return buf if got == length else buf[:got]  # type: ignore[return-value]
         except FileNotFoundError:
             raise ObjectNotFound(f"{self.url}: no object {key!r}") from None
         except OSError as e:

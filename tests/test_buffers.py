@@ -1,0 +1,79 @@
+"""The pool of slice buffers (lakestream/_buffers.py): a block is reused only once nothing made
+from its buffer is left, and idle blocks are bounded."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+import torch
+
+from lakestream._buffers import GRAIN, MIN_POOLED, BufferPool
+
+N = MIN_POOLED + 12_345
+
+
+def test_a_block_returns_when_the_last_view_of_it_goes() -> None:
+    pool = BufferPool()
+    buf = pool.take(N)
+    assert buf.nbytes == N and not buf.readonly
+    buf[:3] = b"abc"
+    arr = np.frombuffer(buf, np.uint8)[1:7].reshape(2, 3)  # what a reader hands out
+    tensor = torch.from_numpy(arr)[1:]
+    del buf, arr
+    gc.collect()
+    assert pool.idle_bytes == 0  # the tensor still views it
+    other = pool.take(N)
+    assert pool.reused == 0  # so a new block is made
+    del tensor
+    assert pool.idle_bytes == -(-N // GRAIN) * GRAIN
+    again = pool.take(N - 100)  # same size class
+    assert pool.reused == 1 and pool.idle_bytes == 0 and again.nbytes == N - 100
+    assert not np.shares_memory(np.frombuffer(again, np.uint8), np.frombuffer(other, np.uint8))
+
+
+def test_a_sub_view_or_a_copy_keeps_or_frees_it() -> None:
+    pool = BufferPool()
+    part = pool.take(N)[10:20]
+    gc.collect()
+    assert pool.idle_bytes == 0
+    del part
+    assert pool.idle_bytes > 0
+    copy = pool.copy(b"x" * N)
+    assert bytes(copy[:2]) == b"xx" and not copy.readonly and pool.reused == 1
+    kept = bytes(copy[:4])
+    del copy
+    assert kept == b"xxxx" and pool.idle_bytes > 0
+
+
+def test_small_requests_are_not_pooled_and_idle_blocks_are_bounded() -> None:
+    pool = BufferPool(max_idle=3 * GRAIN * 8)
+    small = pool.take(100)
+    assert small.nbytes == 100 and isinstance(small.obj, bytearray)
+    bufs = [pool.take(8 * GRAIN) for _ in range(5)]
+    del bufs
+    assert pool.idle_bytes == 3 * 8 * GRAIN  # two were freed, not kept
+    pool.clear()
+    assert pool.idle_bytes == 0
+
+
+def test_threads_taking_and_dropping_never_share_a_live_block() -> None:
+    pool = BufferPool()
+    errors: list[str] = []
+
+    def work(tag: int) -> None:
+        for i in range(200):
+            buf = pool.take(N)
+            buf[:] = bytes([tag]) * N
+            arr = np.frombuffer(buf, np.uint8)
+            if arr.min() != tag or arr.max() != tag:
+                errors.append(f"thread {tag} round {i}: its buffer changed under it")
+            del buf, arr
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and pool.reused > 0
