@@ -58,6 +58,7 @@ This is the only module of the package that imports torch; `import lakestream` d
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import multiprocessing
 import multiprocessing.context
@@ -77,6 +78,7 @@ import torch
 import torch.utils.data
 
 import lakestream
+from lakestream._buffers import pool
 from lakestream._records import check_job
 from lakestream._segment import npy_info
 
@@ -717,10 +719,11 @@ def _numpy(value: Any) -> Any:
 
 def _read_batch(path: str, size: int, n: int) -> np.ndarray:
     """A step's `_batch/<field>.npy` of `size` bytes (from `_meta.json`): one open and one read
-    into one buffer, whose array part is the column (`(n, *shape)`, writable, no other copy)."""
-    buf = np.empty(size, np.uint8)
-    view = memoryview(buf.data)
-    with open(path, "rb", buffering=0) as f:
+    into one buffer (pooled memory, _buffers.py), whose array part is the column (`(n, *shape)`,
+    writable, no other copy)."""
+    view = pool.take(size)
+    buf = np.frombuffer(view, np.uint8)
+    with _open_direct(path) as f:
         got = 0
         while got < size and (k := f.readinto(view[got:])):  # one read, unless the kernel returns less
             got += k
@@ -733,6 +736,22 @@ def _read_batch(path: str, size: int, n: int) -> np.ndarray:
     if fortran or not shape or shape[0] != n:
         raise lakestream.CorruptData(f"{path}: an array of shape {shape}, expected {n} C-order rows")
     return buf[start:].view(dtype).reshape(shape)
+
+
+def _open_direct(path: str) -> Any:
+    """`path` opened for reading with O_DIRECT where the filesystem takes it (FUSE does): a
+    batch is read once, whole, so it goes straight from the mount into the reader's buffer, not
+    through the page cache, which fills and copies it page by page. Without O_DIRECT elsewhere."""
+    try:
+        return open(path, "rb", buffering=0, opener=_direct)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return open(path, "rb", buffering=0)
+
+
+def _direct(path: str, flags: int) -> int:
+    return os.open(path, flags | getattr(os, "O_DIRECT", 0))
 
 
 def _read_npy_column(paths: list[str]) -> np.ndarray | None:
