@@ -20,7 +20,7 @@ import time
 import uuid
 import zlib
 from collections import deque
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,7 +135,7 @@ class _Tgb:
     mix: int | None = None  # the version of the mix record it was sealed for
     sources: tuple[tuple[str, int], ...] | None = None  # its samples per named source, under a mixture
     ref: TgbRef | None = None  # where it was uploaded, once it was
-    data: bytes = b""  # its segment, until committed (to upload it again)
+    data: bytes | memoryview = b""  # its segment, until committed (to upload it again)
     declared_at: float | None = None  # when its intent was put (combining)
 
     @property
@@ -557,7 +557,7 @@ class Producer:
             ) from None
         done: dict[str, set[int]] = {pid: set() for pid, _ in held}
         pending: list[decisions.PendingTgb] = []
-        blobs: list[bytes] = []
+        blobs: list[bytes | memoryview] = []
         for k, tgb in enumerate(plan):
             step = head + 1 + k
             samples = [parts[pid][0][i] for pid, i in tgb]
@@ -629,7 +629,7 @@ class Producer:
 
     # -- internals -----------------------------------------------------------------------------
 
-    async def _put_segment(self, key: str, data: bytes) -> None:
+    async def _put_segment(self, key: str, data: bytes | memoryview) -> None:
         """Upload a segment (a TGB, a leftover, a packed TGB), retried for as long as it takes, and count it."""
         await retry(lambda: self.store.put(key, data), attempts=None, on_error=self._metrics.upload_failed)
         self._metrics.uploaded(len(data))
@@ -650,7 +650,7 @@ class Producer:
         data, slices = await anyio.to_thread.run_sync(lambda: encode_segment([samples], self._checksum, version=1))
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         key = segment_key(self.id, self.epoch, seq, self._wall())
-        blob = data + side
+        blob = b"".join((data, side))
         await self._put_segment(key, blob)
         ref = TgbRef(key, (tuple(slices[0]),), self._last_cursor, self._mix, sources, self._checksum)  # type: ignore[arg-type]
         return decisions.PendingTgb(seq, ref), (len(data), len(side), zlib.crc32(side)), blob
@@ -675,7 +675,10 @@ class Producer:
                 await self._write_tail()
 
     async def _append_fresh(
-        self, decide: Callable[[State, int], Record | None], tgbs: list[decisions.PendingTgb], blobs: list[bytes]
+        self,
+        decide: Callable[[State, int], Record | None],
+        tgbs: list[decisions.PendingTgb],
+        blobs: Sequence[bytes | memoryview],
     ) -> AppendResult:
         """Append `decide`'s record, which names the uploads `tgbs` (whose bytes are `blobs`): if
         one is too old to name when it decides (`_decisions.stale`: an append retried through a
@@ -1286,7 +1289,7 @@ class Producer:
             t.ref = await self._put_again(t.seq, t.ref, t.data)
         return bool(old)
 
-    async def _put_again(self, seq: int, ref: TgbRef, data: bytes) -> TgbRef:
+    async def _put_again(self, seq: int, ref: TgbRef, data: bytes | memoryview) -> TgbRef:
         """Upload TGB `seq`'s segment `data` again under a new key (a new upload time): `ref` there."""
         key = segment_key(self.id, self.epoch, seq, self._wall())
         await self._put_segment(key, data)

@@ -35,6 +35,7 @@ import numpy as np
 import orjson
 import xxhash
 
+from ._buffers import MIN_POOLED, pool
 from ._errors import CorruptData, InvalidSample
 from ._layout import KEY_FIELD, RESERVED_KEYS
 
@@ -245,9 +246,19 @@ def _encode_value(key: str, name: str, value: Any) -> tuple[str, Any]:
             raise InvalidSample(f"{what}: numpy arrays of Python objects cannot be stored (dtype {value.dtype})")
         dt = value.dtype
         if type(value) is np.ndarray and dt.kind in ARRAY_KINDS and value.ndim <= MAX_NDIM and _DTYPE.fullmatch(dt.str):
-            return "a", np.array(value, order="C")  # a copy: the caller may reuse its array after put
+            return "a", _copy_array(value)  # a copy: the caller may reuse its array after put
         return "n", _npy(value, what)
     return "j", dump_json(value, what)
+
+
+def _copy_array(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """A C-order copy of `a`, a large one in pooled memory (_buffers.py: fresh memory costs a
+    page fault a page, more than the copy), which returns to the pool once its segment is encoded."""
+    if a.nbytes < MIN_POOLED:
+        return np.array(a, order="C")
+    out = np.frombuffer(pool.take(a.nbytes), a.dtype).reshape(a.shape)
+    np.copyto(out, a)
+    return out
 
 
 def encode_sample(sample: Mapping[str, Any], default_key: str, *, max_bytes: int) -> EncodedSample:
@@ -299,17 +310,18 @@ def _pad(n: int) -> bytes:
 
 def encode_segment(
     ranks: list[list[EncodedSample]], checksum: str = DEFAULT_CHECKSUM, *, version: int = 2
-) -> tuple[bytes, list[list[int]]]:
+) -> tuple[memoryview, list[list[int]]]:
     """One segment for a TGB, and each rank's `[offset, length, checksum, samples]`.
 
+    The segment is one writable buffer in pooled memory (_buffers.py), its bytes copied once.
     `checksum`: `xxh3-64` or `crc32` (what the commit record names). `version`: the slice format,
     2 (array blocks) or 1 (every array a `.npy` file, as written before format 2)."""
-    new = CHECKSUMS[checksum]
+    if checksum not in CHECKSUMS:
+        raise ValueError(f"unknown checksum {checksum!r}: one of {', '.join(CHECKSUMS)}")
     parts: list[Any] = []
     slices = []
     offset = 0
     for samples in ranks:
-        h = new()
         blocks = _blocks(samples) if version == 2 else []
         in_block = {name for name, _, _ in blocks}
         entries = []
@@ -343,14 +355,19 @@ def encode_segment(
                     body.append(_pad(pos))
                     pos += len(body[-1])
         body += payload
-        length = 0
-        for b in body:
-            h.update(b)
-            length += len(b)
+        length = sum(len(b) for b in body)
         parts += body
-        slices.append([offset, length, h.intdigest(), len(samples)])
+        slices.append([offset, length, 0, len(samples)])
         offset += length
-    return b"".join(parts), slices
+    out = pool.take(offset)
+    pos = 0
+    for b in parts:
+        n = len(b)
+        out[pos : pos + n] = b
+        pos += n
+    for sl in slices:  # over the copy, each slice in one call
+        sl[2] = checksum_of(out[sl[0] : sl[0] + sl[1]], checksum)
+    return out, slices
 
 
 class ChecksumMismatch(CorruptData):

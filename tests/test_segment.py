@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,8 +15,10 @@ from hypothesis.extra import numpy as hnp
 
 from lakestream import CorruptData, InvalidSample
 from lakestream._batching import assign_ranks
+from lakestream._buffers import MIN_POOLED
 from lakestream._segment import (
     ALIGN,
+    DEFAULT_CHECKSUM,
     checksum_of,
     decode_columns,
     decode_part,
@@ -63,12 +66,30 @@ def array_batches(draw: st.DrawFn) -> list[dict]:
     return batch
 
 
+def segment_bytes(*args: Any, **kwargs: Any) -> tuple[bytes, list[list[int]]]:
+    """`encode_segment` with the segment as bytes (it is a view of pooled memory)."""
+    data, slices = encode_segment(*args, **kwargs)
+    return bytes(data), slices
+
+
+def test_a_segment_is_one_buffer_of_pooled_memory_its_bytes_copied_once() -> None:
+    a = np.arange(MIN_POOLED, dtype=np.uint8)
+    enc = encode_sample({"x": a, "t": "hi"}, "k", max_bytes=1 << 30)
+    x = enc.fields[0][2]
+    assert not np.shares_memory(x, a) and np.array_equal(x, a)  # put's copy: the caller may reuse `a`
+    data, [[off, length, digest, count]] = encode_segment([[enc]])
+    assert isinstance(data, memoryview) and len(data) == off + length and count == 1
+    assert digest == checksum_of(data, DEFAULT_CHECKSUM)
+    _, _, columns = decode_columns(data)
+    assert np.array_equal(columns["x"][0], a) and columns["t"] == ["hi"]
+
+
 def encode_all(
     batch: list[dict], world: int, checksum: str = "xxh3-64", version: int = 2
 ) -> tuple[bytes, list[list[int]], list[list[int]]]:
     enc = [encode_sample(s, f"k{i}", max_bytes=1 << 20) for i, s in enumerate(batch)]
     ranks = assign_ranks(None, len(enc), world)
-    data, slices = encode_segment([[enc[i] for i in r] for r in ranks], checksum, version=version)
+    data, slices = segment_bytes([[enc[i] for i in r] for r in ranks], checksum, version=version)
     return data, slices, ranks
 
 
@@ -241,7 +262,7 @@ def test_a_npy_field_whose_header_claims_more_than_is_there_is_refused_before_an
 
 def test_numpy_arrays_round_trip_as_npy_in_format_1() -> None:
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
-    data, slices = encode_segment([[encode_sample({"x": a}, "k", max_bytes=1 << 20)]], "crc32", version=1)
+    data, slices = segment_bytes([[encode_sample({"x": a}, "k", max_bytes=1 << 20)]], "crc32", version=1)
     (ref,) = index_slice(data)
     assert data[ref.offset : ref.offset + 6] == b"\x93NUMPY"  # the field is a plain .npy file
     (got,) = decode_slice(data, slices[0][2])
@@ -255,7 +276,7 @@ def test_a_format_2_slice_is_laid_out_as_documented() -> None:
         encode_sample({"img": a[i], "txt": f"t{i}", "n": np.arange(i + 1)}, f"k{i}", max_bytes=1 << 20)
         for i in range(2)
     ]
-    data, [[off, length, digest, count]] = encode_segment([enc])
+    data, [[off, length, digest, count]] = segment_bytes([enc])
     assert (off, length, count) == (0, len(data), 2) and digest == checksum_of(data, "xxh3-64")
     assert data[:4] == b"LSR2"
     (hlen,) = struct.unpack_from("<I", data, 4)
@@ -299,7 +320,7 @@ def test_old_format_segments_still_decode() -> None:
 )
 def test_a_malformed_format_2_header_is_corrupt_data(edit, match: str) -> None:
     enc = [encode_sample({"img": np.arange(3, dtype="<u2"), "txt": f"t{i}"}, f"k{i}", max_bytes=100) for i in range(2)]
-    data, _ = encode_segment([enc])
+    data, _ = segment_bytes([enc])
     (hlen,) = struct.unpack_from("<I", data, 4)
     header = json.loads(data[8 : 8 + hlen])
     edit(header)
@@ -311,7 +332,7 @@ def test_a_malformed_format_2_header_is_corrupt_data(edit, match: str) -> None:
 
 
 def test_nonzero_padding_is_corrupt_data() -> None:
-    data, _ = encode_segment([[encode_sample({"img": np.arange(3, dtype="<u2")}, "k", max_bytes=100)]])
+    data, _ = segment_bytes([[encode_sample({"img": np.arange(3, dtype="<u2")}, "k", max_bytes=100)]])
     (hlen,) = struct.unpack_from("<I", data, 4)
     bad = bytearray(data)
     bad[8 + hlen] = 1
@@ -320,7 +341,7 @@ def test_nonzero_padding_is_corrupt_data() -> None:
 
 
 def test_truncated_slice_is_corrupt() -> None:
-    data, _ = encode_segment([[encode_sample({"txt": "hello"}, "k", max_bytes=100)]])
+    data, _ = segment_bytes([[encode_sample({"txt": "hello"}, "k", max_bytes=100)]])
     with pytest.raises(CorruptData, match="malformed"):
         index_slice(data[:-1])
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-__all__ = ["ObjectStore"]
+__all__ = ["Data", "ObjectStore"]
+
+Data = bytes | memoryview  # what a put takes: a segment is a view of pooled memory (_buffers.py)
 
 
 @runtime_checkable
@@ -29,10 +31,10 @@ class ObjectStore(Protocol):
         caller's: the file store reads large ranges into pooled memory, _buffers.py).
         """
 
-    async def put(self, key: str, data: bytes) -> None:
+    async def put(self, key: str, data: Data) -> None:
         """Create or replace the object atomically."""
 
-    async def put_if_absent(self, key: str, data: bytes) -> bool:
+    async def put_if_absent(self, key: str, data: Data) -> bool:
         """Create the object if no object has the key. False when another writer got there first
         (which may be an earlier, ambiguous attempt of this same caller)."""
 

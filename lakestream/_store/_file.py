@@ -22,6 +22,7 @@ import anyio.to_thread
 from .._buffers import MIN_POOLED, pool
 from .._errors import AccessDenied, CorruptData, LakestreamError, ObjectNotFound, StoreError, StoreFull
 from .._layout import TMP_SUFFIX
+from ._base import Data
 
 __all__ = ["FileStore"]
 
@@ -82,7 +83,7 @@ class FileStore:
             return CorruptData(f"{where}: a directory stands where an object should be ({e.strerror})")
         return StoreError(f"{where}: {e.strerror or e}")
 
-    def _write_temp(self, path: Path, data: bytes) -> Path:
+    def _write_temp(self, path: Path, data: Data) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{TMP_SUFFIX}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -126,7 +127,7 @@ class FileStore:
             finally:
                 os.close(fd)
 
-    def _put(self, key: str, data: bytes) -> None:
+    def _put(self, key: str, data: Data) -> None:
         path = self._path(key)
         try:
             tmp = self._write_temp(path, data)
@@ -135,7 +136,7 @@ class FileStore:
         except OSError as e:
             raise self._error(e, "put", key) from None
 
-    def _put_if_absent(self, key: str, data: bytes) -> bool:
+    def _put_if_absent(self, key: str, data: Data) -> bool:
         path = self._path(key)
         try:
             if path.exists():
@@ -193,11 +194,11 @@ class FileStore:
         self.requests += 1
         return await anyio.to_thread.run_sync(self._read, key, offset, length)
 
-    async def put(self, key: str, data: bytes) -> None:
+    async def put(self, key: str, data: Data) -> None:
         self.requests += 1
         await anyio.to_thread.run_sync(self._put, key, data)
 
-    async def put_if_absent(self, key: str, data: bytes) -> bool:
+    async def put_if_absent(self, key: str, data: Data) -> bool:
         self.requests += 1
         return await anyio.to_thread.run_sync(self._put_if_absent, key, data)
 

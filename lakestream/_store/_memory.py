@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .._errors import ObjectNotFound
+from ._base import Data
 
 __all__ = ["MemoryStore"]
 
@@ -23,10 +24,10 @@ class MemoryStore:
     async def get_range(self, key: str, offset: int, length: int) -> bytes:
         return (await self.get(key))[offset : offset + length]
 
-    async def put(self, key: str, data: bytes) -> None:
+    async def put(self, key: str, data: Data) -> None:
         self.objects[key] = bytes(data)
 
-    async def put_if_absent(self, key: str, data: bytes) -> bool:
+    async def put_if_absent(self, key: str, data: Data) -> bool:
         if key in self.objects:
             return False
         self.objects[key] = bytes(data)

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from obstore.store import ClientConfig, S3Config, S3Credential
 
 from .._errors import StoreError
+from ._base import Data
 from ._s3base import S3Base, retryable_response
 
 __all__ = ["ObstoreS3Store", "usable"]
@@ -251,7 +252,7 @@ class ObstoreS3Store(S3Base):
 
         return await self._run("get_range", key, attempt)
 
-    async def put(self, key: str, data: bytes) -> None:
+    async def put(self, key: str, data: Data) -> None:
         """Create or replace the object, whole or not at all (one request, never multipart)."""
         full = self._key(key)
 
@@ -260,7 +261,7 @@ class ObstoreS3Store(S3Base):
 
         await self._run("put", key, attempt)
 
-    async def put_if_absent(self, key: str, data: bytes) -> bool:
+    async def put_if_absent(self, key: str, data: Data) -> bool:
         """Conditional PUT (`If-None-Match: *`). False on 412, which after a retry may mean an
         earlier attempt of this same call landed: the caller resolves that ambiguity."""
         full = self._key(key)

@@ -34,6 +34,7 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from .._errors import StoreError
+from ._base import Data
 from ._s3base import DENIED_CODES, RETRY_CODES, S3_BACKOFF, S3Base, retryable_response
 
 __all__ = ["S3_BACKOFF", "S3Store"]
@@ -170,13 +171,13 @@ class S3Store(S3Base):
 
         return await self._run("get_range", key, attempt)
 
-    async def put(self, key: str, data: bytes) -> None:
+    async def put(self, key: str, data: Data) -> None:
         """Create or replace the object, whole or not at all (see `_checksum`)."""
         full = self._key(key)
         body, crc = await _checksum(data)
         await self._run("put", key, lambda c: c.put_object(Bucket=self.bucket, Key=full, Body=body, ChecksumCRC32=crc))
 
-    async def put_if_absent(self, key: str, data: bytes) -> bool:
+    async def put_if_absent(self, key: str, data: Data) -> bool:
         """Conditional PUT (`If-None-Match: *`). False on 412, which after a retry may mean an
         earlier attempt of this same call landed: the caller resolves that ambiguity."""
         full = self._key(key)
@@ -251,7 +252,7 @@ async def _delete_page(client: Any, *, bucket: str, batch: dict[str, Any]) -> An
     return await client.delete_objects(Bucket=bucket, Delete=batch)
 
 
-async def _checksum(data: bytes) -> tuple[bytes, str]:
+async def _checksum(data: Data) -> tuple[bytes, str]:
     """The body and its CRC-32 for `x-amz-checksum-crc32`, which the server checks before the
     object exists. Without it an upload cut off after its headers (a process killed, a task
     cancelled: aiohttp sends the body after the headers) can be stored as an empty object:

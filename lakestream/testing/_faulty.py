@@ -34,6 +34,7 @@ import anyio
 
 from .._errors import StoreUnavailable
 from .._store import ObjectStore
+from .._store._base import Data
 from ._simstore import _KIND, S3_LATENCY, Z99
 
 __all__ = ["S3_LATENCY_OPS", "S3_LIKE", "FaultyStore"]
@@ -146,14 +147,14 @@ class FaultyStore:
         await self._sleep(self._delay("get_range", length))
         return await self.inner.get_range(key, offset, length)
 
-    async def put(self, key: str, data: bytes) -> None:
+    async def put(self, key: str, data: Data) -> None:
         ambiguous = await self._before("put", key)
         await self._sleep(self._delay("put", len(data)))
         await self.inner.put(key, data)
         if ambiguous:
             raise self._lost("put", key)
 
-    async def put_if_absent(self, key: str, data: bytes) -> bool:
+    async def put_if_absent(self, key: str, data: Data) -> bool:
         ambiguous = await self._before("put_if_absent", key)
         d = self._delay("put_if_absent", len(data))
         await self._sleep(d / 2)

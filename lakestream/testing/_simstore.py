@@ -44,6 +44,7 @@ import anyio
 
 from .._errors import ObjectNotFound, StoreUnavailable
 from .._retry import Backoff, retry
+from .._store._base import Data
 
 __all__ = ["S3_LATENCY", "S3_RATES", "SimulatedS3", "SimulatedStore"]
 
@@ -236,11 +237,11 @@ class SimulatedStore:
         b = self.bucket
         return await b.call(self.label, "get_range", key, lambda: b._get(key)[offset : offset + length])
 
-    async def put(self, key: str, data: bytes) -> None:
+    async def put(self, key: str, data: Data) -> None:
         b = self.bucket
         await b.call(self.label, "put", key, lambda: b._write(key, bytes(data)))
 
-    async def put_if_absent(self, key: str, data: bytes) -> bool:
+    async def put_if_absent(self, key: str, data: Data) -> bool:
         b = self.bucket
         return await b.call(self.label, "put_if_absent", key, lambda: b._put_if_absent(key, bytes(data)))
 
