@@ -673,7 +673,7 @@ def _columns(
         data = pool.copy(data)
     if digest is not None:
         check_slice(data, digest, where, checksum)
-    n, keys, columns = decode_columns(data, where, lo, hi)
+    n, keys, columns = decode_columns(data, where, lo, hi, index)
     if "keys" in columns:
         raise ValueError(f"{where}: a field named 'keys' cannot be collated: read with collate=False")
     return n, keys, columns

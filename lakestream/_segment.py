@@ -174,8 +174,20 @@ class SliceIndex:
     blocks: dict[str, Block]
 
 
+def _plain_name(name: object, allow_dot: bool) -> bool:
+    """True for the common name that `validate_name` passes: ASCII, 1-255 bytes, no '/' or NUL,
+    not '.' or '..' (and no '.' at all unless `allow_dot`). Checked first, without building the
+    error's wording: a slice's header is checked name by name on every read."""
+    return (
+        type(name) is str and name.isascii() and 0 < len(name) <= 255 and "/" not in name and "\0" not in name
+        and name not in (".", "..") and (allow_dot or "." not in name)
+    )  # fmt: skip
+
+
 def validate_name(name: object, what: str, *, allow_dot: bool) -> str:
     """A key or field name that is safe as part of a file name, or InvalidSample."""
+    if _plain_name(name, allow_dot):
+        return name  # type: ignore[return-value]  # a str: checked there
     if not isinstance(name, str):
         raise InvalidSample(f"{what} must be a string, got {type(name).__name__}")
     try:
@@ -497,15 +509,18 @@ def _block(a: Any, count: int, offset: int) -> Block:
 
 
 def _check_key(key: object) -> None:
-    validate_name(key, "sample key", allow_dot=False)
+    if not _plain_name(key, False):
+        validate_name(key, "sample key", allow_dot=False)
     if key in RESERVED_KEYS:
         raise InvalidSample(f"sample key {key!r} is reserved")
 
 
 def _check_field(key: str, name: object) -> None:
-    validate_name(name, f"sample {key!r}: field name", allow_dot=True)
+    if not _plain_name(name, True):
+        validate_name(name, f"sample {key!r}: field name", allow_dot=True)
     assert isinstance(name, str)
-    if len(key.encode()) + 1 + len(name.encode()) > 255:
+    ascii = key.isascii() and name.isascii()
+    if (len(key) + 1 + len(name) if ascii else len(key.encode()) + 1 + len(name.encode())) > 255:
         raise InvalidSample(f"sample {key!r} field {name!r}: '<key>.<field>' is over 255 bytes")
 
 
@@ -653,17 +668,19 @@ def describe_part(
 
 
 def decode_columns(
-    data: Any, where: str = "rank slice", lo: int = 0, hi: int | None = None
+    data: Any, where: str = "rank slice", lo: int = 0, hi: int | None = None, index: SliceIndex | None = None
 ) -> tuple[int, list[str], dict[str, Any]]:
     """(the number of samples in the slice, the keys of samples lo..hi, their fields as columns).
 
     A field stored as an array block is one `(hi - lo, *shape)` array, a view of `data` (writable
     if `data` is); any other field is a list with each sample's value (None where a sample has
     no such field). Columns are in the order fields first appear. The checksum is not checked
-    here (see `check_slice`). Raises CorruptData naming `where`.
+    here (see `check_slice`). `index`: `parse_slice(data)`, if the caller has it. Raises
+    CorruptData naming `where`.
     """
     view = memoryview(data)
-    index = parse_slice(view, where)
+    if index is None:
+        index = parse_slice(view, where)
     keys: list[str] = []
     values: dict[str, dict[int, Any]] = {}  # field -> {position in keys: value}
     n, current, keep = 0, None, False
