@@ -968,6 +968,24 @@ def test_file_names_empty_files_and_a_tiny_cache(tmp_path: Path, mounts) -> None
     assert m.status()["cache_bytes"] <= 600_000  # one slice at most
 
 
+def test_the_cache_drops_slices_far_behind_the_newest_step_read(tmp_path: Path, mounts) -> None:
+    """The cache holds the steps readers are at, not everything up to its size: a slice more than
+    KEEP_BEHIND steps below the newest step looked up on its rank is dropped, and read again on demand."""
+    from lakestream_mount._fs import KEEP_BEHIND
+
+    url = file_url(tmp_path / "stream")
+    create(url, 1, 1)
+    steps = KEEP_BEHIND + 12
+    produce(url, "p", [{"__key__": f"k{i}", "bin": bytes([i]) * 100_000} for i in range(steps)])
+    m = mounts(url, "--prefetch", 0)
+    rank = m.mountpoint / "rank-0"
+    for n in range(steps):
+        assert (rank / step_name(n) / f"k{n}.bin").read_bytes() == bytes([n]) * 100_000
+    held = m.status()["cache_bytes"]
+    assert 0 < held <= (KEEP_BEHIND + 1) * 110_000, held  # was every step read: 20 slices
+    assert (rank / step_name(0) / "k0.bin").read_bytes() == bytes([0]) * 100_000  # kernel cache or a new fetch
+
+
 # -- 8. --ranks -----------------------------------------------------------------------------------------
 
 

@@ -105,6 +105,7 @@ EXPIRED_GRACE = 0.5  # seconds a step whose wait ran out is reported missing wit
 INTERRUPT_POLL = 0.5  # seconds between looks at whether a waiting request's caller got a signal
 POLL_FAST_FOR = 1.0  # seconds the log is read every `poll_min` after it moved or a wait started
 POLL_UNAWAITED = 0.05  # seconds at least between reads of the log while no request waits for a step
+KEEP_BEHIND = 8  # steps of a rank kept cached below the newest one looked up (DataLoader workers lag)
 STATUS_NAME = layout.STATUS_NAME.encode()
 META_NAME = layout.META_NAME.encode()
 BATCH_NAME = b"_batch"
@@ -465,7 +466,8 @@ class LakeFS(pyfuse3.Operations):
         self._poke = anyio.Event()
         self._handles: dict[int, Node | int | bytes] = {}  # fh -> node, fixed inode, or status bytes
         self._next_fh = 0
-        self._cursor: dict[int, int] = {}  # prefetch window start per rank (default: the head at start)
+        self._cursor: dict[int, int] = {}  # the newest step looked up per rank: the prefetch window's start
+        # (before any: the head at start), and the cache keeps KEEP_BEHIND steps below it
         self._start = reader.state.head
         self._shapes = list(reader.state.shapes)
         self._widest_seen = self._widest()
@@ -654,9 +656,15 @@ class LakeFS(pyfuse3.Operations):
     async def _slice(self, node: Node) -> Slice:
         """The slice of a node's TGB: for the one committed now, moving the prefetch window."""
         assert node.entry is not None
-        if node.step > self._cursor.get(node.rank, self._start) and self._current(node):
+        at = self._cursor.get(node.rank)
+        if (at is None or node.step > at) and self._current(node):  # a first read may be below the start
             self._cursor[node.rank] = node.step
             self._prefetch()
+            # Slices far behind are read again rarely: dropped, their memory is reused for the
+            # next ones instead of growing up to the cache size, touched page by page for the first
+            # time (a fresh mount on S3: 490-584 -> 386-411 µs of CPU a 147 KiB sample).
+            rank, low = node.rank, node.step - KEEP_BEHIND
+            self.cache.drop(lambda r, step, v, w: r != rank or step >= low)
         return await self.cache.get(node.rank, node.entry, node.world)
 
     async def _wait_for(self, step: int, caller: int) -> bool:
