@@ -16,6 +16,7 @@ a block that would go over is freed, so a slow consumer costs fresh memory, neve
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from typing import Any
@@ -79,5 +80,15 @@ class BufferPool:
             self._free.clear()
             self._idle = 0
 
+    def reset(self) -> None:
+        """Empty, with a new lock (in a forked child, where no other thread exists yet)."""
+        self._lock = threading.RLock()
+        self._free, self._idle = {}, 0
+
 
 pool = BufferPool()  # the process's: readers, the mount and the file store share it
+
+
+# A forked child (a DataLoader worker) starts with an empty pool and a new lock: the lock may have
+# been held by a thread of the parent that the child does not have.
+os.register_at_fork(after_in_child=lambda: pool.reset())

@@ -77,3 +77,19 @@ def test_threads_taking_and_dropping_never_share_a_live_block() -> None:
     for t in threads:
         t.join()
     assert errors == [] and pool.reused > 0
+
+
+def test_a_forked_child_starts_with_an_empty_pool_and_a_free_lock() -> None:
+    import os
+
+    from lakestream._buffers import pool
+
+    pool.take(N)  # dropped at once: an idle block in the parent
+    assert pool.idle_bytes > 0
+    with pool._lock:  # held by this thread while the child is forked
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            ok = pool.idle_bytes == 0 and pool.take(N).nbytes == N  # would block on the parent's lock
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
