@@ -284,7 +284,9 @@ async def _feed(p: Producer, it: Iterator[Any], batch: int, rate: float, t0: flo
     n = 0
     reader = _ReadAhead(it, name="lakestream-source")
     try:
-        while (items := await reader.take()) is not None:
+        # Waiting, take what completes the open global batch at once (it is sealed no sooner), not
+        # a sample a thread hop: with a slow source (a decode), a hop a sample cost more than the put.
+        while (items := await reader.take(max(1, p.global_batch - p.open_samples), gather=FILL_WAIT)) is not None:
             for item in items:
                 held.append(item)
                 if len(held) < batch:
@@ -308,6 +310,10 @@ GATHER = 0.002
 """Seconds the producer, once a sample is ready after it had to wait, waits for more of them to take
 at once (up to READ_AHEAD): one wait in a thread for several samples of a source a little slower
 than the producer, a sample of a slow one delayed by this much at most."""
+
+FILL_WAIT = 0.25
+"""Seconds a producer's feed, once a sample is ready after it had to wait, waits for the rest of
+its open global batch (which is sealed no sooner) to take them at once."""
 
 
 STOP_GRACE = 0.2  # seconds a stopping source may take to finish the sample it reads before it is aborted
@@ -391,25 +397,26 @@ class _ReadAhead:
                 raise self._error
             return None
 
-    def _wait(self, want: int) -> None:
-        """Until a pair is ready (or the reading ended), then until `want` are or GATHER seconds passed."""
+    def _wait(self, want: int, gather: float = GATHER) -> None:
+        """Until a pair is ready (or the reading ended), then until `want` are or `gather` seconds passed."""
         cond, items = self._cond, self._items
         with cond:
             self._want = 1
             while not items and not self._done:
                 cond.wait()
             self._want = want
-            deadline = time.monotonic() + GATHER
+            deadline = time.monotonic() + gather
             while len(items) < want and not self._done and (left := deadline - time.monotonic()) > 0:
                 cond.wait(left)
             self._want = 0
 
-    async def take(self, most: int = 1 << 30) -> list[Any] | None:
-        """The next pairs read, at least one and at most `most`, waiting for one if none is ready yet;
-        None once the iterator ended. Raises the iterator's error once the pairs before it are taken."""
+    async def take(self, most: int = 1 << 30, *, gather: float = GATHER) -> list[Any] | None:
+        """The next pairs read, at least one and at most `most`, waiting for one if none is ready yet
+        and then up to `gather` seconds for `most`; None once the iterator ended. Raises the
+        iterator's error once the pairs before it are taken."""
         out = self._ready(most)
         if out == []:
-            await anyio.to_thread.run_sync(self._wait, min(most, self._limit), abandon_on_cancel=True)
+            await anyio.to_thread.run_sync(self._wait, min(most, self._limit), gather, abandon_on_cancel=True)
             out = self._ready(most)
         return out
 

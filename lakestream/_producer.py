@@ -465,7 +465,7 @@ class Producer:
         any error of background uploads or commits.
         """
         self._check()
-        dump_json(cursor, f"producer {self.id!r}: cursor {cursor!r:.100}")
+        dump_json(cursor, lambda: f"producer {self.id!r}: cursor {cursor!r:.100}")
         # A default key names the producer too: keys are unique in the whole stream (verify checks).
         default = f"{self._key_prefix}-{self._next_seq:06d}-{len(self._samples):05d}"
         given = sample.get(COST_FIELD)
@@ -499,6 +499,11 @@ class Producer:
         self.stats.samples += 1
         if len(self._samples) >= self.global_batch:
             await self._seal()
+
+    @property
+    def open_samples(self) -> int:
+        """Samples put into the global batch not sealed yet."""
+        return len(self._samples)
 
     async def flush(self) -> None:
         """Wait until every full TGB put so far is committed (a partial one stays open).

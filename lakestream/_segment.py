@@ -223,16 +223,21 @@ def _finite(value: Any) -> bool:
     return True
 
 
-def dump_json(value: Any, what: str) -> bytes:
-    """`value` as JSON, or InvalidSample naming `what`. NaN and infinities are refused, never
-    rewritten to null (a NaN cursor read back as null would restart a source from zero)."""
+def dump_json(value: Any, what: str | Callable[[], str]) -> bytes:
+    """`value` as JSON, or InvalidSample naming `what` (or what it returns: wording built only
+    for an error, as a put checks every cursor). NaN and infinities are refused, never rewritten
+    to null (a NaN cursor read back as null would restart a source from zero)."""
     try:
         data = orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
     except TypeError as e:
-        raise InvalidSample(f"{what}: cannot store {type(value).__name__} as JSON: {e}") from None
+        raise InvalidSample(f"{_said(what)}: cannot store {type(value).__name__} as JSON: {e}") from None
     if b"null" in data and not _finite(value):  # orjson writes NaN and infinities as null
-        raise InvalidSample(f"{what}: NaN and infinities cannot be stored as JSON")
+        raise InvalidSample(f"{_said(what)}: NaN and infinities cannot be stored as JSON")
     return data
+
+
+def _said(what: str | Callable[[], str]) -> str:
+    return what if isinstance(what, str) else what()
 
 
 def _npy(value: np.ndarray[Any, Any], what: str) -> bytes:
@@ -245,21 +250,23 @@ def _npy(value: np.ndarray[Any, Any], what: str) -> bytes:
 
 
 def _encode_value(key: str, name: str, value: Any) -> tuple[str, Any]:
-    what = f"sample {key!r} field {name!r}"
+    def what() -> str:  # only for an error: a put encodes every field
+        return f"sample {key!r} field {name!r}"
+
     if isinstance(value, (bytes, bytearray, memoryview)):
         return "b", bytes(value)
     if isinstance(value, str):
         try:
             return "s", value.encode()
         except UnicodeEncodeError as e:
-            raise InvalidSample(f"{what}: text is not valid UTF-8 ({e.reason} at {e.start})") from None
+            raise InvalidSample(f"{what()}: text is not valid UTF-8 ({e.reason} at {e.start})") from None
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
-            raise InvalidSample(f"{what}: numpy arrays of Python objects cannot be stored (dtype {value.dtype})")
+            raise InvalidSample(f"{what()}: numpy arrays of Python objects cannot be stored (dtype {value.dtype})")
         dt = value.dtype
         if type(value) is np.ndarray and dt.kind in ARRAY_KINDS and value.ndim <= MAX_NDIM and _DTYPE.fullmatch(dt.str):
             return "a", _copy_array(value)  # a copy: the caller may reuse its array after put
-        return "n", _npy(value, what)
+        return "n", _npy(value, what())
     return "j", dump_json(value, what)
 
 

@@ -262,6 +262,29 @@ def test_a_source_that_gives_one_sample_at_a_time_has_each_committed(tmp_path: P
     assert cursor == ({"sources": {"a": 12}} if mixed else 12)
 
 
+def test_a_slow_source_is_taken_a_global_batch_at_a_time() -> None:
+    """Waiting on a slow source (a decode), the feed takes what completes the open global batch in
+    one wait, not a sample a thread hop; and never waits for more than the source will give."""
+
+    def slow(n: int) -> Iterator[tuple[int, int]]:
+        for i in range(n):
+            time.sleep(0.01)
+            yield i, i + 1
+
+    async def takes(n: int, want: int) -> list[int]:
+        reader = _pipeline._ReadAhead(slow(n))
+        sizes = []
+        try:
+            while (items := await reader.take(want, gather=_pipeline.FILL_WAIT)) is not None:
+                sizes.append(len(items))
+        finally:
+            await anyio.to_thread.run_sync(reader.stop)
+        return sizes
+
+    assert anyio.run(takes, 24, 8) == [8, 8, 8]
+    assert anyio.run(takes, 5, 8) == [5]  # the source ended: what it gave, at once
+
+
 def test_an_error_of_the_source_comes_after_the_samples_before_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
