@@ -11,6 +11,7 @@ The children are `tests/scale_children.py` (its docstring says what each runs an
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -38,6 +39,13 @@ def spawn(mode: str, args: dict[str, Any], log: Path) -> subprocess.Popen[bytes]
         return subprocess.Popen(
             [sys.executable, str(HERE / "scale_children.py"), mode, json.dumps(args)], stdout=out, stderr=out
         )
+
+
+def publish(path: Path, text: str) -> None:
+    """Write a file the children poll for whole or not at all (they read it once it exists)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def wait_all(procs: list[subprocess.Popen[bytes]], logs: list[Path], deadline: float) -> None:
@@ -86,11 +94,11 @@ async def test_128_combining_producers_and_16_readers_at_s3_latencies_keep_up_ex
             wait_file(tmp_path / f"ready{i}", children, logs, time.monotonic() + 60)
         registered = time.monotonic()
         t0 = time.time() + 0.5
-        go.write_text(repr(t0))
+        publish(go, repr(t0))
         wait_all(producers, producer_logs, time.monotonic() + DURATION + 120)  # 128 finish records take a while
         produced = time.monotonic()
         state = await lakestream.load_state(url)
-        stop.write_text(str(state.head))
+        publish(stop, str(state.head))
         wait_all(readers, reader_logs, time.monotonic() + 30)
         caught_up = time.monotonic()
     finally:  # a failure leaves no child behind
