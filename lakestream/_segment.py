@@ -176,24 +176,25 @@ class SliceIndex:
 
 def _plain_name(name: object, allow_dot: bool) -> bool:
     """True for the common name that `validate_name` passes: ASCII, 1-255 bytes, no '/' or NUL,
-    not '.' or '..' (and no '.' at all unless `allow_dot`). Checked first, without building the
-    error's wording: a slice's header is checked name by name on every read."""
+    not '.' or '..' (and no '.' at all unless `allow_dot`). Checked first: a slice's header is
+    checked name by name on every read."""
     return (
         type(name) is str and name.isascii() and 0 < len(name) <= 255 and "/" not in name and "\0" not in name
         and name not in (".", "..") and (allow_dot or "." not in name)
     )  # fmt: skip
 
 
-def validate_name(name: object, what: str, *, allow_dot: bool) -> str:
-    """A key or field name that is safe as part of a file name, or InvalidSample."""
+def validate_name(name: object, what: str | Callable[[], str], *, allow_dot: bool) -> str:
+    """A key or field name that is safe as part of a file name, or InvalidSample naming `what`
+    (or what it returns: wording built only for an error)."""
     if _plain_name(name, allow_dot):
         return name  # type: ignore[return-value]  # a str: checked there
     if not isinstance(name, str):
-        raise InvalidSample(f"{what} must be a string, got {type(name).__name__}")
+        raise InvalidSample(f"{_said(what)} must be a string, got {type(name).__name__}")
     try:
         raw = name.encode()
     except UnicodeEncodeError:
-        raise InvalidSample(f"{what} {name!r} is not valid UTF-8 text") from None
+        raise InvalidSample(f"{_said(what)} {name!r} is not valid UTF-8 text") from None
     problem = None
     if not name:
         problem = "is empty"
@@ -206,7 +207,7 @@ def validate_name(name: object, what: str, *, allow_dot: bool) -> str:
     elif not allow_dot and "." in name:
         problem = "contains '.'"
     if problem:
-        raise InvalidSample(f"{what} {name!r} {problem}")
+        raise InvalidSample(f"{_said(what)} {name!r} {problem}")
     return name
 
 
@@ -516,15 +517,13 @@ def _block(a: Any, count: int, offset: int) -> Block:
 
 
 def _check_key(key: object) -> None:
-    if not _plain_name(key, False):
-        validate_name(key, "sample key", allow_dot=False)
+    validate_name(key, "sample key", allow_dot=False)
     if key in RESERVED_KEYS:
         raise InvalidSample(f"sample key {key!r} is reserved")
 
 
 def _check_field(key: str, name: object) -> None:
-    if not _plain_name(name, True):
-        validate_name(name, f"sample {key!r}: field name", allow_dot=True)
+    validate_name(name, lambda: f"sample {key!r}: field name", allow_dot=True)
     assert isinstance(name, str)
     ascii = key.isascii() and name.isascii()
     if (len(key) + 1 + len(name) if ascii else len(key.encode()) + 1 + len(name.encode())) > 255:
