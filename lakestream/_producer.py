@@ -69,7 +69,7 @@ from ._segment import (
     index_slice,
 )
 from ._state import Leftover, State
-from ._store import ObjectStore
+from ._store import Data, ObjectStore
 from ._tasks import cancel_task_group, enter_task_group
 
 __all__ = ["Producer", "ProducerStats"]
@@ -135,7 +135,7 @@ class _Tgb:
     mix: int | None = None  # the version of the mix record it was sealed for
     sources: tuple[tuple[str, int], ...] | None = None  # its samples per named source, under a mixture
     ref: TgbRef | None = None  # where it was uploaded, once it was
-    data: bytes | memoryview = b""  # its segment, until committed (to upload it again)
+    data: Data = b""  # its segment, until committed (to upload it again)
     declared_at: float | None = None  # when its intent was put (combining)
 
     @property
@@ -562,7 +562,7 @@ class Producer:
             ) from None
         done: dict[str, set[int]] = {pid: set() for pid, _ in held}
         pending: list[decisions.PendingTgb] = []
-        blobs: list[bytes | memoryview] = []
+        blobs: list[Data] = []
         for k, tgb in enumerate(plan):
             step = head + 1 + k
             samples = [parts[pid][0][i] for pid, i in tgb]
@@ -634,7 +634,7 @@ class Producer:
 
     # -- internals -----------------------------------------------------------------------------
 
-    async def _put_segment(self, key: str, data: bytes | memoryview) -> None:
+    async def _put_segment(self, key: str, data: Data) -> None:
         """Upload a segment (a TGB, a leftover, a packed TGB), retried for as long as it takes, and count it."""
         await retry(lambda: self.store.put(key, data), attempts=None, on_error=self._metrics.upload_failed)
         self._metrics.uploaded(len(data))
@@ -683,7 +683,7 @@ class Producer:
         self,
         decide: Callable[[State, int], Record | None],
         tgbs: list[decisions.PendingTgb],
-        blobs: Sequence[bytes | memoryview],
+        blobs: Sequence[Data],
     ) -> AppendResult:
         """Append `decide`'s record, which names the uploads `tgbs` (whose bytes are `blobs`): if
         one is too old to name when it decides (`_decisions.stale`: an append retried through a
@@ -1294,7 +1294,7 @@ class Producer:
             t.ref = await self._put_again(t.seq, t.ref, t.data)
         return bool(old)
 
-    async def _put_again(self, seq: int, ref: TgbRef, data: bytes | memoryview) -> TgbRef:
+    async def _put_again(self, seq: int, ref: TgbRef, data: Data) -> TgbRef:
         """Upload TGB `seq`'s segment `data` again under a new key (a new upload time): `ref` there."""
         key = segment_key(self.id, self.epoch, seq, self._wall())
         await self._put_segment(key, data)

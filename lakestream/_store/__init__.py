@@ -13,12 +13,13 @@ from collections.abc import Callable
 from urllib.parse import urlparse
 
 from .._errors import CorruptData
-from ._base import ObjectStore
+from ._base import Data, ObjectStore
 from ._file import FileStore
 from ._memory import MemoryStore
 
 __all__ = [
     "S3_CLIENTS",
+    "Data",
     "FileStore",
     "MemoryStore",
     "ObjectStore",

@@ -33,8 +33,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import anyio
 
 from .._errors import StoreUnavailable
-from .._store import ObjectStore
-from .._store._base import Data
+from .._store import Data, ObjectStore
 from ._simstore import _KIND, S3_LATENCY, Z99
 
 __all__ = ["S3_LATENCY_OPS", "S3_LIKE", "FaultyStore"]

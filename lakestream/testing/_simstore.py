@@ -44,7 +44,7 @@ import anyio
 
 from .._errors import ObjectNotFound, StoreUnavailable
 from .._retry import Backoff, retry
-from .._store._base import Data
+from .._store import Data
 
 __all__ = ["S3_LATENCY", "S3_RATES", "SimulatedS3", "SimulatedStore"]
 
