@@ -662,7 +662,7 @@ class LakeFS(pyfuse3.Operations):
             self._prefetch()
             # Slices far behind are read again rarely: dropped, their memory is reused for the
             # next ones instead of growing up to the cache size, touched page by page for the first
-            # time (a fresh mount on S3: 490-584 -> 386-411 µs of CPU a 147 KiB sample).
+            # time (docs/benchmarks.md, "Pooled memory").
             rank, low = node.rank, node.step - KEEP_BEHIND
             self.cache.drop(lambda r, step, v, w: r != rank or step >= low)
         return await self.cache.get(node.rank, node.entry, node.world)
