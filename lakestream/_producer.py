@@ -70,7 +70,7 @@ from ._segment import (
 )
 from ._state import Leftover, State
 from ._store import Data, ObjectStore
-from ._tasks import cancel_task_group, enter_task_group
+from ._tasks import cancel_task_group, enter_task_group, run_sync
 
 __all__ = ["Producer", "ProducerStats"]
 
@@ -790,7 +790,9 @@ class Producer:
             # Sealed for the world size in force after the head; readers re-slice otherwise.
             ranks = assign_ranks(tgb.costs, len(tgb.samples), self.manifest.state.world_at(self._head() + 1))
             parts = [[tgb.samples[i] for i in r] for r in ranks]
-            data, slices = await anyio.to_thread.run_sync(encode_segment, parts, self._checksum)
+            data, slices = await run_sync(
+                encode_segment, parts, self._checksum, nbytes=tgb.nbytes, items=len(tgb.samples)
+            )
             key = segment_key(self.id, self.epoch, tgb.seq, self._wall())
             await self._put_segment(key, data)
             ranks_ref = tuple((r[0], r[1], r[2], r[3]) for r in slices)

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import anyio.to_thread
 import numpy as np
 
 from . import _decisions as decisions
@@ -46,7 +45,7 @@ from ._segment import (
 )
 from ._state import State, Step
 from ._store import ObjectStore, open_source_store
-from ._tasks import cancel_task_group, enter_task_group
+from ._tasks import cancel_task_group, enter_task_group, run_sync
 
 __all__ = ["RankBatch", "RawSlice", "Reader"]
 
@@ -521,14 +520,16 @@ class Reader:
             digest = r.digest if self.verify else None
             try:
                 if self.collate:
-                    n, keys, got_columns = await anyio.to_thread.run_sync(
-                        _columns, data, digest, entry.checksum, where, lo, hi, len(pieces) == 1
-                    )
+                    n, keys, got_columns = await run_sync(
+                        _columns, data, digest, entry.checksum, where, lo, hi, len(pieces) == 1,
+                        nbytes=len(data), items=r.samples,
+                    )  # fmt: skip
                     parts.append((keys, got_columns))
                 else:
-                    n, got = await anyio.to_thread.run_sync(
-                        lambda: decode_part(data, digest, where, lo, hi, raw=self.raw, kind=entry.checksum)
-                    )
+                    n, got = await run_sync(
+                        lambda: decode_part(data, digest, where, lo, hi, raw=self.raw, kind=entry.checksum),
+                        nbytes=len(data), items=r.samples,
+                    )  # fmt: skip
                     samples += got
             except ChecksumMismatch:
                 self._metrics.checksum_failed()
@@ -558,7 +559,8 @@ class Reader:
                     f"the manifest says {entry.ranks[i].samples}"
                 )
             parts.append((raw.data, groups[lo:hi], raw.blocks))  # only this rank's bytes are kept
-        return RawSlice(entry, rank, *await anyio.to_thread.run_sync(join_samples, parts))
+        nbytes, items = sum(len(data) for data, _, _ in parts), sum(len(groups) for _, groups, _ in parts)
+        return RawSlice(entry, rank, *await run_sync(join_samples, parts, nbytes=nbytes, items=items))
 
     async def describe_rank(self, entry: Step, rank: int) -> list[tuple[str, list[FieldInfo]]]:
         """`rank`'s samples of a committed step (see `plan`), each as its key and its fields described
@@ -568,7 +570,9 @@ class Reader:
         for i, lo, hi in self.plan(entry, rank):
             data = await self._get_slice(entry, i)
             try:
-                n, got = await anyio.to_thread.run_sync(self._describe, entry, i, data, lo, hi)
+                n, got = await run_sync(
+                    self._describe, entry, i, data, lo, hi, nbytes=len(data), items=entry.ranks[i].samples
+                )
             except ChecksumMismatch:
                 self._metrics.checksum_failed()
                 raise
@@ -603,7 +607,7 @@ class Reader:
             return data, index.refs, index.blocks
 
         try:
-            return RawSlice(entry, rank, *await anyio.to_thread.run_sync(check))
+            return RawSlice(entry, rank, *await run_sync(check, nbytes=len(data), items=entry.ranks[rank].samples))
         except ChecksumMismatch:
             self._metrics.checksum_failed()
             raise

@@ -1,15 +1,45 @@
 """Task groups: background tasks owned by a long-lived object, and groups whose errors come out
-as themselves (the documented error types), never wrapped in an ExceptionGroup."""
+as themselves (the documented error types), never wrapped in an ExceptionGroup; and where
+blocking work runs (`run_sync`)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import TypeVar, TypeVarTuple
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 
-__all__ = ["cancel_task_group", "enter_task_group", "first_error", "task_group"]
+__all__ = [
+    "INLINE_BYTES",
+    "INLINE_ITEMS",
+    "cancel_task_group",
+    "enter_task_group",
+    "first_error",
+    "run_sync",
+    "task_group",
+]
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+
+# CPU work over at most this many bytes and items (a checksum, a copy, a parse of a slice's index)
+# runs on the event loop; more goes to a worker thread. A thread hop costs about 0.5 ms of CPU on
+# a VM (the worker and then the loop woken, each a context switch, often an IPI to an idle vCPU),
+# which is what xxh3, a copy and a parse of a 4 MiB, 128-sample slice take; larger work would hold
+# the loop, and every task on it, longer than a millisecond (docs/benchmarks.md, "Thread hops").
+INLINE_BYTES = 4 << 20
+INLINE_ITEMS = 128
+
+
+async def run_sync(fn: Callable[[*Ts], T], *args: *Ts, nbytes: int, items: int = 0) -> T:
+    """`fn(*args)`: here, on the event loop, if it works over at most INLINE_BYTES bytes and
+    INLINE_ITEMS items; else in a worker thread (`anyio.to_thread.run_sync`)."""
+    if nbytes <= INLINE_BYTES and items <= INLINE_ITEMS:
+        return fn(*args)
+    return await anyio.to_thread.run_sync(fn, *args)
 
 
 def first_error(group: BaseExceptionGroup) -> BaseException:

@@ -247,6 +247,81 @@ async def test_file_list_never_shows_temp_files(tmp_path: Path) -> None:
     assert not [f for f in (tmp_path / "store").rglob("*") if f.name.startswith(".")]
 
 
+@pytest.mark.parametrize("where", ["disk", "memory"])
+async def test_file_reads_of_cached_objects_take_no_thread_and_say_what_a_thread_would(
+    where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read the page cache holds is made on the event loop, with the same answers as the
+    worker-thread path (which a network filesystem, or a read that would wait, takes)."""
+    import anyio.to_thread
+
+    from lakestream._errors import CorruptData
+    from lakestream._store._file import filesystem_of
+
+    base = tmp_path if where == "disk" else Path("/dev/shm")
+    if filesystem_of(base) not in ("ext4", "xfs", "btrfs", "overlay", "tmpfs"):
+        pytest.skip(f"{base} is on {filesystem_of(base)!r}, not a local filesystem these reads are made on")
+    root = Path(os.path.realpath(base)) / f"store-{os.getpid()}-{where}"
+    store = FileStore(root, durable=False)
+    try:
+        big = os.urandom(3 << 20)
+        await store.put("a/big", big)
+        await store.put("a/small", b"0123456789")
+        (root / "a" / "dir").mkdir()
+        hops: list[object] = []
+        real = anyio.to_thread.run_sync
+
+        async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            hops.append(fn)
+            return await real(fn, *args, **kwargs)
+
+        monkeypatch.setattr(anyio.to_thread, "run_sync", counted)
+        answers = []
+        for thread in (False, True):
+            store._here = -1 if thread else None  # -1: every read in a worker thread
+            got = [
+                bytes(await store.get_range("a/big", 5, 1 << 20)),  # pooled
+                bytes(await store.get_range("a/big", (3 << 20) - 10, 100)),  # cut short at the end
+                await store.get_range("a/small", 2, 3),
+                await store.get("a/small"),
+                bytes(await store.get_range("a/big", 7 << 20, 10)),  # past the end: nothing
+            ]
+            assert type(got[3]) is bytes  # a whole object is bytes
+            for key in ("a/missing", "b/missing"):
+                with pytest.raises(ObjectNotFound):
+                    await store.get_range(key, 0, 10)
+            assert len(hops) == (7 if thread else 0), hops  # not one thread hop for a cached read
+            with pytest.raises(CorruptData, match="a directory stands where an object should be"):
+                await store.get("a/dir")  # fails on the loop, then in a thread, which reports it
+            answers.append(got)
+            hops.clear()
+        assert answers[0] == answers[1] == [big[5 : 5 + (1 << 20)], big[-10:], b"234", b"0123456789", b""]
+    finally:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_filesystem_of_names_the_innermost_mount(tmp_path: Path) -> None:
+    from lakestream._store._file import filesystem_of
+
+    assert filesystem_of(Path("/proc/self")) == "proc"
+    assert filesystem_of(Path("/")) != ""
+    assert filesystem_of(tmp_path / "not" / "yet") == filesystem_of(tmp_path)
+
+
+async def test_run_sync_runs_small_work_here_and_large_work_in_a_thread() -> None:
+    import threading
+
+    from lakestream._tasks import INLINE_BYTES, INLINE_ITEMS, run_sync
+
+    here = threading.get_ident()
+    assert await run_sync(threading.get_ident, nbytes=INLINE_BYTES, items=INLINE_ITEMS) == here
+    assert await run_sync(threading.get_ident, nbytes=INLINE_BYTES + 1) != here
+    assert await run_sync(threading.get_ident, nbytes=0, items=INLINE_ITEMS + 1) != here
+    assert await run_sync(divmod, 7, 2, nbytes=0) == (3, 1)
+
+
 # -- S3 store -------------------------------------------------------------------------------------
 
 

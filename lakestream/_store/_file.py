@@ -5,7 +5,12 @@ or hard-linked (put_if_absent) into place, so a reader sees a whole object or no
 of any number of concurrent processes wins a put_if_absent (link(2) fails with EEXIST for the
 others). With `durable=True` the file and its directory are fsynced before the call returns, so
 an object a commit record points to survives a machine crash, not only a process crash.
-Blocking calls run in worker threads.
+
+Blocking calls run in worker threads, but for one case: on a local filesystem, a read the page
+cache holds whole is made on the calling thread (`preadv2` with RWF_NOWAIT on a disk, which fails
+rather than wait for it; tmpfs holds everything in memory), since a thread hop costs more CPU
+than such a read (`_tasks.run_sync`). A read that would wait goes to a thread. On a network
+filesystem every read does: there even an `open` may wait for a server.
 """
 
 from __future__ import annotations
@@ -26,6 +31,32 @@ from ._base import Data
 
 __all__ = ["FileStore"]
 
+# Filesystems whose `open` of a file does not wait for a network: reads from those on disk may
+# still wait for it (RWF_NOWAIT says so), reads from those in memory do not (they cannot say).
+DISK_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "bcachefs", "overlay"})
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def filesystem_of(path: Path) -> str:
+    """The type of the filesystem `path` is on (its longest mount point prefix in
+    /proc/self/mountinfo), or "" if that cannot be told."""
+    target = os.path.realpath(path)
+    best, fstype = "", ""
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        fields = line.split(" ")
+        if " - " not in line or len(fields) < 5:
+            continue
+        point = fields[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, fstype = point, line.split(" - ", 1)[1].split(" ", 1)[0]
+    return fstype
+
 
 class FileStore:
     def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
@@ -33,6 +64,8 @@ class FileStore:
         self.url = f"file://{self.root}"
         self.durable = durable
         self.requests = 0  # calls made (for cost accounting, as S3 counts requests)
+        # preadv2 flags of reads made on the calling thread (None: not known yet; -1: none is)
+        self._here: int | None = None
 
     def _path(self, key: str) -> Path:
         parts = key.split("/")
@@ -68,6 +101,49 @@ class FileStore:
             raise ObjectNotFound(f"{self.url}: no object {key!r}") from None
         except OSError as e:
             raise self._error(e, "read", key) from None
+
+    def _read_cached(self, key: str, offset: int, length: int | None, flags: int) -> bytes | None:
+        """`_read`, if the page cache holds the whole range (with RWF_NOWAIT in `flags`: nothing
+        waits for a disk), else None (and for any error but a missing object, which `_read` then
+        reports)."""
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{self.url}: no object {key!r}") from None
+        except OSError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            pooled = length is not None and length >= MIN_POOLED  # as `_read`: a whole object is bytes
+            length = max(0, size - offset if length is None else min(length, size - offset))
+            buf = pool.take(length) if pooled else memoryview(bytearray(length))
+            got = 0
+            while got < length:
+                n = os.preadv(fd, [buf[got:]], offset + got, flags)
+                if not n:
+                    break
+                got += n
+        except BlockingIOError:  # not all in the page cache
+            return None
+        except OSError as e:
+            if e.errno == errno.EOPNOTSUPP:  # this filesystem cannot say: every read goes to a thread
+                self._here = -1
+            return None
+        finally:
+            os.close(fd)
+        if not pooled:
+            return bytes(buf[:got])
+        return buf if got == length else buf[:got]  # type: ignore[return-value]  # a buffer, as `_read` returns
+
+    async def _get(self, key: str, offset: int, length: int | None) -> bytes:
+        if self._here is None:
+            fs = filesystem_of(self.root)
+            self._here = os.RWF_NOWAIT if fs in DISK_FILESYSTEMS else 0 if fs in MEMORY_FILESYSTEMS else -1
+        if self._here >= 0:
+            data = self._read_cached(key, offset, length, self._here)
+            if data is not None:
+                return data
+        return await anyio.to_thread.run_sync(self._read, key, offset, length)
 
     def _error(self, e: OSError, op: str, key: str) -> LakestreamError:
         """The one translation of a filesystem error into a Lakestream error naming the object."""
@@ -188,11 +264,11 @@ class FileStore:
 
     async def get(self, key: str) -> bytes:
         self.requests += 1
-        return await anyio.to_thread.run_sync(self._read, key, 0, None)
+        return await self._get(key, 0, None)
 
     async def get_range(self, key: str, offset: int, length: int) -> bytes:
         self.requests += 1
-        return await anyio.to_thread.run_sync(self._read, key, offset, length)
+        return await self._get(key, offset, length)
 
     async def put(self, key: str, data: Data) -> None:
         self.requests += 1

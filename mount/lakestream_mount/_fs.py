@@ -82,9 +82,11 @@ import pyfuse3
 import lakestream
 from lakestream import _layout as layout
 from lakestream import metrics
+from lakestream._buffers import pool
 from lakestream._config import LIMITS
 from lakestream._retry import Backoff  # the library's one backoff policy (same distribution)
 from lakestream._segment import npy_header
+from lakestream._tasks import run_sync
 
 from ._mounts import mounts_at
 
@@ -316,7 +318,11 @@ class File:
         end = min(off + size, n + self.length)
         if off >= n:  # past the header: a view of the slice, no copy before pyfuse3's own
             return data[self.offset + off - n : self.offset + max(end - n, off - n)]
-        return self.prefix[off:end] + data[self.offset : self.offset + max(end - n, 0)]
+        head = self.prefix[off:end]  # the header, then the data: one copy, into reused memory (up to 1 MiB)
+        out = pool.take(end - off)
+        out[: len(head)] = head
+        out[len(head) :] = data[self.offset : self.offset + max(end - n, 0)]
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -649,7 +655,7 @@ class LakeFS(pyfuse3.Operations):
         raw = await self.reader.fetch_rank_raw(entry, rank)
         if self.state.world_at(entry.step) != world:  # reshaped during the fetch: planned for another shape
             raise pyfuse3.FUSEError(errno.ESTALE)
-        sl = await anyio.to_thread.run_sync(Slice.of, raw, where, world)
+        sl = await run_sync(Slice.of, raw, where, world, nbytes=0, items=len(raw.files))  # an index, no bytes
         self.metrics.fetch(time.perf_counter() - started)
         return sl
 
