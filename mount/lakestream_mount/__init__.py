@@ -9,8 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import select
 import signal
 import subprocess
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from ._mounts import mounts_at
 
@@ -86,6 +89,26 @@ async def _serve(
             log.info("unmounted %s", mountpoint)
 
 
+def _readable_soon(wait_readable: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
+    """pyfuse3's asyncio `wait_readable`, first asking the kernel (a zero-timeout poll) whether a
+    request is queued already, as the pieces of a large read are: then one turn of the loop (so
+    other tasks still run) instead of adding /dev/fuse to the loop's epoll set and removing it
+    again, two system calls and a wakeup for every request (docs/benchmarks.md, "Thread hops")."""
+    polls: dict[Any, select.poll] = {}
+
+    async def readable(fd: Any) -> None:
+        p = polls.get(fd)
+        if p is None:
+            p = polls[fd] = select.poll()
+            p.register(fd, select.POLLIN)
+        if p.poll(0):
+            await asyncio.sleep(0)
+            return
+        await wait_readable(fd)
+
+    return readable
+
+
 def _raise_readahead(mountpoint: str, kib: int = 1024) -> None:
     """Let the kernel send 1 MiB reads instead of 128 KiB ones (best effort: needs root)."""
     try:
@@ -129,6 +152,7 @@ def run_mount(
     if not nonempty and os.listdir(mountpoint):
         raise OSError(f"mount point {mountpoint} is not empty (--nonempty mounts over its files, hiding them)")
     pyfuse3.asyncio.enable()
+    pyfuse3.asyncio.wait_readable = _readable_soon(pyfuse3.asyncio.wait_readable)  # type: ignore[assignment]
     asyncio.run(_serve(url, mountpoint, ranks, world_size, job, prefetch=prefetch, cache_size=cache_size, wait=wait))
 
 
