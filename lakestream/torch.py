@@ -57,6 +57,7 @@ This is the only module of the package that imports torch; `import lakestream` d
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import io
@@ -256,7 +257,12 @@ async def _owned_steps(reader: lakestream.Reader, start: int, stop: int | None, 
 
 class _Source:
     """A reader on an event loop in a background thread. Holds no reference to its iterator,
-    so that the iterator's finalizer can close it."""
+    so that the iterator's finalizer can close it.
+
+    Each batch is asked for by handing a future to a task on the loop (`_serve`) that fills it:
+    one wakeup of the loop and one of the caller a step. (`BlockingPortal.start_task_soon` waits
+    for the loop to have started the task before it returns, a second round trip, which costs
+    about as much CPU as a step's checks and decoding: docs/benchmarks.md, "Thread hops".)"""
 
     def __init__(self, url: str, rank: int, world_size: int | None, start: int, stop: int | None, stride: int,
                  options: dict[str, Any]) -> None:  # fmt: skip
@@ -271,16 +277,32 @@ class _Source:
             cm = self.portal.wrap_async_context_manager(lakestream.open_reader(url, rank, world_size, **options))
             self.reader = self._stack.enter_context(cm)
             self.agen = _owned_steps(self.reader, start, stop, stride)
+            self.loop = self.portal.call(asyncio.get_running_loop)
+            self.asks: asyncio.Queue[Future[Any] | None] = asyncio.Queue()
+            self.served = self.portal.start_task_soon(self._serve)
         except BaseException:
             self._stack.close()
             raise
+
+    async def _serve(self) -> None:
+        """Fill each future asked for with the next batch (or _DONE, or the reader's error), in
+        turn, until asked for None."""
+        while (answer := await self.asks.get()) is not None:
+            try:
+                answer.set_result(await _anext(self.agen))
+            except BaseException as e:
+                answer.set_exception(e)
+                if not isinstance(e, Exception):
+                    raise
 
     def next(self) -> Any:
         """The next RankBatch, or _DONE. After an interrupted call, waits for the same batch."""
         if self.pid != os.getpid():
             raise RuntimeError("a StreamDataset iterator cannot be used in a forked process: create it there")
         if self.pending is None:
-            self.pending = self.portal.start_task_soon(_anext, self.agen)
+            answer: Future[Any] = Future()
+            self.loop.call_soon_threadsafe(self.asks.put_nowait, answer)
+            self.pending = answer
         try:
             return self.pending.result()  # raises the reader's error, if it failed
         finally:
@@ -310,6 +332,8 @@ class _Source:
                         self.portal.call(self.portal.stop, True)
                 else:
                     with contextlib.suppress(Exception):
+                        self.loop.call_soon_threadsafe(self.asks.put_nowait, None)
+                        self.served.result()
                         self.portal.call(_call, self.agen.aclose)
             finally:
                 with contextlib.suppress(RuntimeError):  # RuntimeError: the portal was stopped above
