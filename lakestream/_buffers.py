@@ -12,10 +12,15 @@ lease's finalizer hands the block back.
 
 No I/O: the pool only holds memory. It is bounded (`MAX_IDLE` bytes of blocks waiting for reuse);
 a block that would go over is freed, so a slow consumer costs fresh memory, never more of it.
+
+Memory the pool does not hand out (an S3 client's response and request buffers, allocated by its
+own threads) is glibc's. The processes Lakestream runs by itself (`lakestream mount`, `lakestream
+produce`) ask glibc to keep what they free for reuse (`keep_freed_memory`), as the pool does.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import weakref
@@ -23,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GRAIN", "MAX_IDLE", "MIN_POOLED", "BufferPool", "pool"]
+__all__ = ["GRAIN", "MAX_IDLE", "MIN_POOLED", "BufferPool", "keep_freed_memory", "pool"]
 
 GRAIN = 1 << 16  # block sizes are multiples of this: slices of one stream differ by a few bytes
 MIN_POOLED = 1 << 18  # smaller requests come from malloc, whose small blocks are reused anyway
@@ -92,3 +97,21 @@ pool = BufferPool()  # the process's: readers, the mount and the file store shar
 # A forked child (a DataLoader worker) starts with an empty pool and a new lock: the lock may have
 # been held by a thread of the parent that the child does not have.
 os.register_at_fork(after_in_child=lambda: pool.reset())
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep freed memory for reuse in this process: blocks up to 32 MiB from
+    its heaps rather than from fresh mappings, and up to MAX_IDLE bytes free at a heap's top kept
+    rather than given back to the kernel. An S3 client's threads then take warm memory for each
+    response (about a page fault less per 4 KiB: up to 190 a step fewer in a mount on S3); the
+    process keeps up to that much more memory mapped. For a process Lakestream runs, not one it
+    is imported into. False where malloc is not glibc's."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, MAX_IDLE))

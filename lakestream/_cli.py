@@ -29,6 +29,7 @@ import orjson
 import lakestream
 
 from ._batching import mix_counts
+from ._buffers import keep_freed_memory
 from ._errors import LakestreamError
 from ._errors import first_error as _first_error
 from ._pacing import DacPolicy
@@ -592,6 +593,7 @@ async def _init(a: argparse.Namespace) -> int:
 async def _produce(a: argparse.Namespace) -> int:
     """Produce until the source ends, or until SIGINT: then stop at once, abandon what is not committed, and
     say where the producer stands (a rerun resumes there)."""
+    keep_freed_memory()
     interrupted: list[int] = []
     producers: list[lakestream.Producer] = []
 
@@ -1219,6 +1221,7 @@ def _mount_module() -> ModuleType:
 
 def _mount(a: argparse.Namespace) -> int:
     mount = _mount_module()
+    keep_freed_memory()
     _serve_metrics(a)
     mount.run_mount(
         a.url, a.mountpoint, ranks=a.ranks, world_size=a.world_size, prefetch=a.prefetch,
