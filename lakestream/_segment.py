@@ -452,13 +452,17 @@ def parse_slice(data: Any, where: str = "rank slice") -> SliceIndex:
             if not isinstance(entries, list):
                 raise ValueError("header is not a list")
         start = pos
-        refs = []
+        refs: list[FieldRef] = []
         keys: set[str] = set()
+        rows = {name: b.row_bytes for name, b in blocks.items()}
+        plain = _plain_name  # the common names' fast path; anything else gets the full check and its wording
         for i, entry in enumerate(entries):
             if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list) and entry[1]):
                 raise ValueError(f"bad sample entry {entry!r:.80}")
             key, fields = entry
-            _check_key(key)
+            key_plain = plain(key, False)
+            if not (key_plain and key not in RESERVED_KEYS):
+                _check_key(key)
             if key in keys:
                 raise ValueError(f"sample key {key!r} appears twice")
             keys.add(key)
@@ -467,12 +471,14 @@ def parse_slice(data: Any, where: str = "rank slice") -> SliceIndex:
                 if not (isinstance(f, list) and len(f) == 3):
                     raise ValueError(f"sample {key!r}: bad field entry {f!r:.80}")
                 name, tag, length = f
-                _check_field(key, name)
+                # Both plain, so ASCII: '<key>.<field>' is within 255 bytes if within 255 characters.
+                if not (key_plain and plain(name, True) and len(key) + len(name) < 255):
+                    _check_field(key, name)
                 if name in names:
                     raise ValueError(f"sample {key!r}: field {name!r} appears twice")
                 names.add(name)
                 blk = blocks.get(name)
-                if tag == "a" and blk is not None and type(length) is int and length == blk.row_bytes:
+                if tag == "a" and blk is not None and type(length) is int and length == rows[name]:
                     refs.append(FieldRef(key, name, tag, blk.offset + i * length, length))
                     continue
                 if tag not in TAGS or blk is not None or type(length) is not int or not 0 <= length <= len(data) - pos:

@@ -331,6 +331,31 @@ def test_a_malformed_format_2_header_is_corrupt_data(edit, match: str) -> None:
         decode_slice(forged)
 
 
+@pytest.mark.parametrize(
+    ("key", "field", "match"),
+    [
+        ("é" * 100, "f" * 60, "over 255 bytes"),  # 161 characters, 261 bytes: counted in bytes
+        ("k" * 200, "f" * 55, "over 255 bytes"),
+        ("k" * 199, "f" * 55, None),  # 255 bytes exactly
+        ("_meta", "txt", "reserved"),
+        ("k.x", "txt", "contains '.'"),
+        ("k", "a/b", "contains '/'"),
+        ("k", "..", "'..'"),
+        ("ké", "é" * 127, "over 255 bytes"),
+    ],
+)
+def test_names_read_from_a_slice_pass_the_rules_of_put(key: str, field: str, match: str | None) -> None:
+    """A forged header's names get the checks `encode_sample` makes, whatever path the parse
+    takes for them (the fast one for plain ASCII names, the full one for the rest)."""
+    header = json.dumps([[key, [[field, "b", 1]]]]).encode()
+    sl = b"LSR1" + struct.pack("<I", len(header)) + header + b"x"
+    if match is None:
+        assert [(r.key, r.field) for r in index_slice(sl)] == [(key, field)]
+        return
+    with pytest.raises(CorruptData, match=match):
+        index_slice(sl)
+
+
 def test_nonzero_padding_is_corrupt_data() -> None:
     data, _ = segment_bytes([[encode_sample({"img": np.arange(3, dtype="<u2")}, "k", max_bytes=100)]])
     (hlen,) = struct.unpack_from("<I", data, 4)
