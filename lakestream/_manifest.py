@@ -410,9 +410,12 @@ class Manifest:
             async def fetch(i: int) -> None:
                 results[i] = await self._get(log_key(base + i))
 
-            async with task_group() as tg:
-                for i in range(window):
-                    tg.start_soon(fetch, i)
+            if window == 1:  # a reader at the tail: one GET, no task group around it
+                await fetch(0)
+            else:
+                async with task_group() as tg:
+                    for i in range(window):
+                        tg.start_soon(fetch, i)
             self.requests += window
             for i, data in enumerate(results):
                 if data is None:
