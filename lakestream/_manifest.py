@@ -369,7 +369,7 @@ class Manifest:
                 f"versions up to {above} exist, and no usable snapshot covers it{why}"
             )
 
-    async def refresh(self, window: int | None = None) -> int:
+    async def refresh(self, window: int | None = None, *, enough: Callable[[], bool] | None = None) -> int:
         """Apply every version written since the last call; the number applied.
 
         Reads forward in parallel windows that double while versions keep coming, so catching up
@@ -377,22 +377,25 @@ class Manifest:
         of versions usually found (an EWMA), so a caller at the tail pays one GET and a producer
         among N others about one round trip of N GETs. A small `window` confirms a tail that was
         just caught up with (one GET when nothing new landed), without the catch-up's slowest GET.
+        With `enough`, it stops after a window of versions that makes `enough()` true, without
+        confirming the tail (a reader that waited for a step needs no more: the GETs of versions
+        not written yet that would confirm it are left to its next wait).
         """
         async with self._refreshing:  # one reader of the log at a time: versions apply in order
-            return await self._refresh(window)
+            return await self._refresh(window, enough)
 
-    async def follow(self) -> int:
+    async def follow(self, enough: Callable[[], bool] | None = None) -> int:
         """`refresh` for readers that share this view (ranks of one node): while another task
         reads the log, wait for it and take what it applied rather than read the log again. The
         versions applied since the call, by whichever task."""
         if not self._refreshing.locked():
-            return await self.refresh()
+            return await self.refresh(enough=enough)
         before = self.state.version
         async with self._refreshing:
             pass
         return self.state.version - before
 
-    async def _refresh(self, first: int | None) -> int:
+    async def _refresh(self, first: int | None, enough: Callable[[], bool] | None = None) -> int:
         applied = 0
         if self.clock() - self.confirmed_at > self.lease / 2:
             # Rule 2 for readers too: a view this old may sit below a log clean-up.
@@ -428,6 +431,8 @@ class Manifest:
                     self.on_apply(self.state)
                 applied += 1
                 found += 1
+            if enough is not None and enough():
+                return applied
             window = min(window * 2, MAX_WINDOW)
 
     def _observe_growth(self, now: float) -> None:

@@ -11,6 +11,7 @@ of the fetched bytes). Committed steps are fetched ahead: as many as the consume
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -113,6 +114,8 @@ class _Fetch:
 
 
 PREFETCH_MAX_STEPS = 128  # steps fetched ahead at most, however fast the consumer (bounds the requests in flight)
+PACE_WAKE = 0.9  # a reader at the tail first looks for the next step this far into the gap it expects
+PACE_GAPS = 8  # the arrivals of steps waited for that the expected gap is the median gap of
 READ_AHEAD_EVERY = 0.1  # seconds between reads of the log ahead of a fast consumer, per view of it
 STEP_TIME_WEIGHT = 0.2  # weight of the newest step in the consumer's smoothed time per step
 
@@ -177,6 +180,7 @@ class Reader:
         self.requests = 0
         self._fetches: dict[tuple[int, int, int], _Fetch] = {}  # see _key
         self._inflight_bytes = 0
+        self._arrivals: deque[tuple[int, float]] = deque(maxlen=PACE_GAPS + 1)  # (step, when its wait ended)
         self._tg: anyio.abc.TaskGroup | None = None
         self._metrics = _hooks.reader(self)
 
@@ -295,13 +299,24 @@ class Reader:
         Raises StepUnavailable if it was reclaimed or discarded, TimeoutError after `timeout`;
         `check` runs after every read of the log and may raise.
         """
-        deadline = math.inf if timeout is None else self.manifest.clock() + timeout
+        clock = self.manifest.clock
+        deadline = math.inf if timeout is None else clock() + timeout
         interval = self.poll_min
+        waited = False
         while True:
             entry = self._entry(step)
             if entry is not None:
+                if waited:
+                    self._arrivals.append((step, clock()))
                 return entry
-            applied = await self.manifest.follow()
+            if not waited:  # at the tail: look first when the step is due at the stream's pace
+                waited = True
+                pause = min(self._due(step) - clock(), self.poll_max, deadline - clock())
+                if pause > 0:
+                    await anyio.sleep(pause)
+                    if check is not None:
+                        check()
+            applied = await self.manifest.follow(enough=lambda: self.state.step(step) is not None)
             if check is not None:
                 check()
             if applied:
@@ -329,6 +344,20 @@ class Reader:
             return await self.wait_for_step(step, check=ended)
         except _Ended:
             return None
+
+    def _due(self, step: int) -> float:
+        """When (on the manifest's clock) to look for `step` first, waiting for it at the tail:
+        PACE_WAKE into the gap at which the last steps waited for arrived (the median of those
+        gaps, from the previous step's arrival); 0 (at once) when no pace is known or the previous
+        step was not waited for (then when it landed is not known). A steady stream is read about
+        twice a step (a read too early, one that finds the step), not at every doubling of the
+        poll interval from `poll_min`, and a step is seen a few ms after it lands, not up to half
+        a gap late (`test_a_reader_at_the_tail_of_a_steady_stream_reads_the_log_about_twice_a_step`)."""
+        a = self._arrivals
+        if len(a) < 3 or step != a[-1][0] + 1:
+            return 0.0
+        gaps = sorted(t1 - t0 for (s0, t0), (s1, t1) in itertools.pairwise(a) if s1 == s0 + 1)
+        return a[-1][1] + PACE_WAKE * gaps[len(gaps) // 2] if len(gaps) >= 2 else 0.0
 
     def _entry(self, step: int) -> Step | None:
         s = self.state
@@ -449,7 +478,7 @@ class Reader:
         at a bounded rate of log reads per view, shared by the ranks following it)."""
         head = self.state.head
         if head < step + self.prefetch:
-            return True
+            return self.manifest.clock() >= self._due(head + 1)
         return head < step + depth and self.manifest.clock() - self.manifest.confirmed_at >= READ_AHEAD_EVERY
 
     async def _read_ahead(self) -> None:

@@ -892,6 +892,57 @@ def test_a_fast_reader_learns_of_versions_soon_after_they_land_at_a_bounded_rate
     assert log_gets / span <= 2 / _reader.READ_AHEAD_EVERY + len(lags) / span, (log_gets, span, len(lags))
 
 
+def test_a_reader_at_the_tail_of_a_steady_stream_reads_the_log_about_twice_a_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A consumer that takes each step as soon as it is committed, one every 0.08-0.1 s (a live
+    trainer waiting on its producers): its reader sleeps until the next step is due at the pace
+    the last ones arrived, so it reads the log about twice a step (a read that finds the step, one
+    that finds it is not there yet), not once for each doubling of the poll interval from
+    `poll_min` and twice more to confirm the tail after finding it (seven reads a step), and
+    learns of each step within a few ms of it landing, not up to half a gap late. (On a store answering in a millisecond or two, as a local
+    one does: at S3's 25 ms a read, fewer fit in a gap either way.)"""
+    bucket = SimulatedS3(rng=random.Random(5), latency={"put": (0.001, 0.003), "get": (0.0005, 0.002)})
+    admin = bucket.client("admin")
+    known: dict[int, float] = {}
+    window: list[float] = []
+    counted: list[Counter[tuple[str, str, str]]] = []  # the requests at the window's start and end
+
+    async def main() -> None:
+        now = anyio.current_time
+        await lakestream.create(admin, world_size=1, global_batch=1)
+        async with anyio.create_task_group() as tg:
+
+            async def produce() -> None:
+                async with lakestream.open_producer(
+                    bucket.client("producer"), "p", clock=now, wall=lambda: 1e9 + now()
+                ) as p:
+                    for i in range(10_000):
+                        await p.put({"__key__": f"s{i}", "txt": "x"}, cursor=i + 1)
+                        await p.flush()
+                        await anyio.sleep(0.1 - 0.02 * random.Random(i).random())
+
+            tg.start_soon(produce)
+            follower = Manifest(bucket.client("reader"), clock=now, retries=None, rng=random.Random(3))
+            follower.on_apply = lambda st: known.setdefault(st.version, now())
+            async with lakestream.open_reader(bucket.client("reader"), 0, 1, follower=follower, clock=now) as r:
+                async for b in r.steps(0, 150):
+                    if b.step in (50, 149):
+                        window.append(now())
+                        counted.append(bucket.requests.copy())
+            tg.cancel_scope.cancel()
+
+    simulate(monkeypatch, main)
+    lags = sorted(t - bucket.created[log_key(v)] for v, t in known.items() if window[0] <= t <= window[-1])
+    requests = counted[1] - counted[0]
+    log_gets = sum(c for (who, _, area), c in requests.items() if who == "reader" and area == "_lakestream/log/")
+    # Measured: 2.2 reads a step, lag p50 5 ms, max 21 ms; before (polling from `poll_min` at each
+    # wait, and confirming the tail after each step found): 7.2 reads a step, p50 17 ms, max 81 ms.
+    assert len(lags) >= 90, len(lags)
+    assert log_gets / len(lags) <= 2.6, (log_gets, len(lags))
+    assert lags[len(lags) // 2] <= 0.01 and lags[-1] <= 0.05, (lags[len(lags) // 2], lags[-5:])
+
+
 async def test_a_combiner_at_the_cap_reads_the_mark_about_once_a_step_the_trainer_takes() -> None:
     """Reading the mark every 0.05 s at 10 steps a second would be two GETs a committed TGB; it is
     read at the trainer's pace as the combiner measures it from the mark's moves, within
