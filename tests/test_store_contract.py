@@ -257,6 +257,7 @@ async def test_file_reads_of_cached_objects_take_no_thread_and_say_what_a_thread
 
     from lakestream._errors import CorruptData
     from lakestream._store._file import filesystem_of
+    from lakestream._tasks import INLINE_BYTES
 
     base = tmp_path if where == "disk" else Path("/dev/shm")
     if filesystem_of(base) not in ("ext4", "xfs", "btrfs", "overlay", "tmpfs"):
@@ -264,8 +265,9 @@ async def test_file_reads_of_cached_objects_take_no_thread_and_say_what_a_thread
     root = Path(os.path.realpath(base)) / f"store-{os.getpid()}-{where}"
     store = FileStore(root, durable=False)
     try:
-        big = os.urandom(3 << 20)
+        big, huge = os.urandom(3 << 20), os.urandom(INLINE_BYTES + 2)
         await store.put("a/big", big)
+        await store.put("a/huge", huge)
         await store.put("a/small", b"0123456789")
         (root / "a" / "dir").mkdir()
         hops: list[object] = []
@@ -293,6 +295,9 @@ async def test_file_reads_of_cached_objects_take_no_thread_and_say_what_a_thread
             assert len(hops) == (7 if thread else 0), hops  # not one thread hop for a cached read
             with pytest.raises(CorruptData, match="a directory stands where an object should be"):
                 await store.get("a/dir")  # fails on the loop, then in a thread, which reports it
+            hops.clear()
+            assert bytes(await store.get_range("a/huge", 1, INLINE_BYTES + 1)) == huge[1 : INLINE_BYTES + 2]
+            assert len(hops) == 1  # over INLINE_BYTES: read in a thread, the loop is not held that long
             answers.append(got)
             hops.clear()
         assert answers[0] == answers[1] == [big[5 : 5 + (1 << 20)], big[-10:], b"234", b"0123456789", b""]

@@ -6,11 +6,12 @@ of any number of concurrent processes wins a put_if_absent (link(2) fails with E
 others). With `durable=True` the file and its directory are fsynced before the call returns, so
 an object a commit record points to survives a machine crash, not only a process crash.
 
-Blocking calls run in worker threads, but for one case: on a local filesystem, a read the page
-cache holds whole is made on the calling thread (`preadv2` with RWF_NOWAIT on a disk, which fails
-rather than wait for it; tmpfs holds everything in memory), since a thread hop costs more CPU
-than such a read (`_tasks.run_sync`). A read that would wait goes to a thread. On a network
-filesystem every read does: there even an `open` may wait for a server.
+Blocking calls run in worker threads, but for one case: on a local filesystem, a read of up to
+4 MiB (`_tasks.INLINE_BYTES`) that the page cache holds whole is made on the calling thread
+(`preadv2` with RWF_NOWAIT on a disk, which fails rather than wait for it; tmpfs holds everything
+in memory), since a thread hop costs more CPU than such a read (`_tasks.run_sync`). A read that
+would wait goes to a thread. On a network filesystem every read does: there even an `open` may
+wait for a server.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import anyio.to_thread
 from .._buffers import MIN_POOLED, pool
 from .._errors import AccessDenied, CorruptData, LakestreamError, ObjectNotFound, StoreError, StoreFull
 from .._layout import TMP_SUFFIX
+from .._tasks import INLINE_BYTES
 from ._base import Data
 
 __all__ = ["FileStore"]
@@ -104,8 +106,9 @@ class FileStore:
 
     def _read_cached(self, key: str, offset: int, length: int | None, flags: int) -> bytes | None:
         """`_read`, if the page cache holds the whole range (with RWF_NOWAIT in `flags`: nothing
-        waits for a disk), else None (and for any error but a missing object, which `_read` then
-        reports)."""
+        waits for a disk) and it is at most INLINE_BYTES (a larger copy would hold the event loop
+        for more than a millisecond), else None (and for any error but a missing object, which
+        `_read` then reports)."""
         try:
             fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -116,6 +119,8 @@ class FileStore:
             size = os.fstat(fd).st_size
             pooled = length is not None and length >= MIN_POOLED  # as `_read`: a whole object is bytes
             length = max(0, size - offset if length is None else min(length, size - offset))
+            if length > INLINE_BYTES:
+                return None
             buf = pool.take(length) if pooled else memoryview(bytearray(length))
             got = 0
             while got < length:
