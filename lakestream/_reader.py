@@ -375,8 +375,14 @@ class Reader:
         entry = await self.wait_for_step(step, timeout=timeout)
         fetch = self._start(entry)
         await fetch.done.wait()
-        for key in [k for k in self._fetches if k[0] <= step and self._fetches[k].done.is_set()]:
-            del self._fetches[key]  # this one, and any fetched for a shape or TGB no longer in force
+        # Let go of this one, and of any fetched before it for a shape or TGB no longer in force:
+        # from the oldest on (fetches are started in step order), up to one not done yet or of a
+        # later step, so that a step costs O(1) however many are prefetched (up to 128).
+        fetches = self._fetches
+        while fetches and (k := next(iter(fetches)))[0] <= step and fetches[k].done.is_set():
+            del fetches[k]
+        if fetches.get(key := self._key(entry)) is fetch:  # behind one still in flight (after a rewind)
+            del fetches[key]
         if fetch.error is not None:
             raise fetch.error
         assert fetch.result is not None

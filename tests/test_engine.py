@@ -145,6 +145,26 @@ async def test_prefetch_keeps_about_a_second_of_a_fast_consumers_steps_in_flight
     assert max(await _ahead_when_asked(0.05, prefetch=0)) == 0  # no prefetch at all
 
 
+async def test_a_reader_lets_go_of_each_fetch_once_its_step_is_read() -> None:
+    """The fetches a reader holds are the steps prefetched past the one read, never the ones read
+    (their slices would stay in memory): after each step, none at or below it, at most the
+    prefetch depth above it; a step read again is fetched again."""
+    store = MemoryStore()
+    await lakestream.create(store, world_size=W, global_batch=B)
+    await produce(store, "p", 60 * B)
+    t = [0.0]
+    async with lakestream.open_reader(store, 0, prefetch=2, clock=lambda: t[0]) as r:
+        async for b in r.steps(0, 50):
+            held = sorted(k[0] for k in r._fetches)
+            assert all(s > b.step for s in held), (b.step, held)
+            assert len(held) <= r.prefetch_depth() + 1, (b.step, held)
+            t[0] += 0.05
+        requests = r.requests
+        again = await r.read_step(10)
+        assert again.step == 10 and r.requests == requests + 1
+        assert not any(k[0] <= 10 for k in r._fetches)
+
+
 async def test_values_round_trip(store) -> None:
     async with lakestream.open_producer(store, "p") as p:
         await p.put({"__key__": "a", "txt": "héllo", "bin": b"\x00\x01", "npy": np.eye(2), "json": {"x": [1, 2]}})
