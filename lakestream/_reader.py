@@ -114,7 +114,7 @@ class _Fetch:
 
 
 PREFETCH_MAX_STEPS = 128  # steps fetched ahead at most, however fast the consumer (bounds the requests in flight)
-PACE_WAKE = 0.9  # a reader at the tail first looks for the next step this far into the gap it expects
+PACE_WAKE = 0.9  # a reader at the tail looks again for the next step this far into the gap it expects
 PACE_GAPS = 8  # the arrivals of steps waited for that the expected gap is the median gap of
 READ_AHEAD_EVERY = 0.1  # seconds between reads of the log ahead of a fast consumer, per view of it
 STEP_TIME_WEIGHT = 0.2  # weight of the newest step in the consumer's smoothed time per step
@@ -309,22 +309,19 @@ class Reader:
                 if waited:
                     self._arrivals.append((step, clock()))
                 return entry
-            if not waited:  # at the tail: look first when the step is due at the stream's pace
-                waited = True
-                pause = min(self._due(step) - clock(), self.poll_max, deadline - clock())
-                if pause > 0:
-                    await anyio.sleep(pause)
-                    if check is not None:
-                        check()
             applied = await self.manifest.follow(enough=lambda: self.state.step(step) is not None)
             if check is not None:
                 check()
             if applied:
                 interval = self.poll_min
                 continue
-            left = deadline - self.manifest.clock()
+            left = deadline - clock()
             if left <= 0:
                 raise TimeoutError(f"{self.url}: step {step} not committed within {timeout} s")
+            if not waited:  # the log ends before it: look again when it is due at the stream's pace
+                waited = True
+                await anyio.sleep(min(max(interval, self._due(step) - clock()), self.poll_max, left))
+                continue
             await anyio.sleep(min(interval, left))
             interval = min(interval * 2, self.poll_max)
 
@@ -346,13 +343,14 @@ class Reader:
             return None
 
     def _due(self, step: int) -> float:
-        """When (on the manifest's clock) to look for `step` first, waiting for it at the tail:
-        PACE_WAKE into the gap at which the last steps waited for arrived (the median of those
-        gaps, from the previous step's arrival); 0 (at once) when no pace is known or the previous
-        step was not waited for (then when it landed is not known). A steady stream is read about
-        twice a step (a read too early, one that finds the step), not at every doubling of the
-        poll interval from `poll_min`, and a step is seen a few ms after it lands, not up to half
-        a gap late (`test_a_reader_at_the_tail_of_a_steady_stream_reads_the_log_about_twice_a_step`)."""
+        """When (on the manifest's clock) to look again for `step`, once a read of the log found
+        it ends before it: PACE_WAKE into the gap at which the last steps waited for arrived (the
+        median of those gaps, from the previous step's arrival); 0 (at once) when no pace is known
+        or the previous step was not waited for (then when it landed is not known). A steady
+        stream is then read two or three times a step (the read ahead after the previous step, one
+        too early, one that finds the step), not at every doubling of the poll interval from
+        `poll_min`, and a step is seen a few ms after it lands, not up to half a gap late
+        (`test_a_reader_at_the_tail_of_a_steady_stream_reads_the_log_about_three_times_a_step`)."""
         a = self._arrivals
         if len(a) < 3 or step != a[-1][0] + 1:
             return 0.0
@@ -484,7 +482,7 @@ class Reader:
         at a bounded rate of log reads per view, shared by the ranks following it)."""
         head = self.state.head
         if head < step + self.prefetch:
-            return self.manifest.clock() >= self._due(head + 1)
+            return True
         return head < step + depth and self.manifest.clock() - self.manifest.confirmed_at >= READ_AHEAD_EVERY
 
     async def _read_ahead(self) -> None:
