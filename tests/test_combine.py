@@ -892,6 +892,16 @@ def test_a_fast_reader_learns_of_versions_soon_after_they_land_at_a_bounded_rate
     assert log_gets / span <= 2 / _reader.READ_AHEAD_EVERY + len(lags) / span, (log_gets, span, len(lags))
 
 
+async def commit_one_a_step(bucket: SimulatedS3, pause: Callable[[int], float]) -> None:
+    """A producer committing one sample (one step of world size 1) at a time, `pause(i)` apart."""
+    now = anyio.current_time
+    async with lakestream.open_producer(bucket.client("producer"), "p", clock=now, wall=lambda: 1e9 + now()) as p:
+        for i in range(10_000):
+            await p.put({"__key__": f"s{i}", "txt": "x"}, cursor=i + 1)
+            await p.flush()
+            await anyio.sleep(pause(i))
+
+
 def test_a_reader_at_the_tail_of_a_steady_stream_reads_the_log_about_three_times_a_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -913,17 +923,7 @@ def test_a_reader_at_the_tail_of_a_steady_stream_reads_the_log_about_three_times
         now = anyio.current_time
         await lakestream.create(admin, world_size=1, global_batch=1)
         async with anyio.create_task_group() as tg:
-
-            async def produce() -> None:
-                async with lakestream.open_producer(
-                    bucket.client("producer"), "p", clock=now, wall=lambda: 1e9 + now()
-                ) as p:
-                    for i in range(10_000):
-                        await p.put({"__key__": f"s{i}", "txt": "x"}, cursor=i + 1)
-                        await p.flush()
-                        await anyio.sleep(0.1 - 0.02 * random.Random(i).random())
-
-            tg.start_soon(produce)
+            tg.start_soon(commit_one_a_step, bucket, lambda i: 0.1 - 0.02 * random.Random(i).random())
             follower = Manifest(bucket.client("reader"), clock=now, retries=None, rng=random.Random(3))
             follower.on_apply = lambda st: known.setdefault(st.version, now())
             async with lakestream.open_reader(bucket.client("reader"), 0, 1, follower=follower, clock=now) as r:
@@ -962,17 +962,11 @@ def test_a_consumer_at_its_own_pace_is_never_held_back_by_the_reader_pacing_its_
         now = anyio.current_time
         await lakestream.create(admin, world_size=1, global_batch=1)
         async with anyio.create_task_group() as tg:
-
-            async def produce() -> None:
-                async with lakestream.open_producer(
-                    bucket.client("producer"), "p", clock=now, wall=lambda: 1e9 + now()
-                ) as p:
-                    for i in range(10_000):
-                        await p.put({"__key__": f"s{i}", "txt": "x"}, cursor=i + 1)
-                        await p.flush()
-                        await anyio.sleep((0.3 if i < 5 else produce_every) * (1 - 0.1 * random.Random(i).random()))
-
-            tg.start_soon(produce)
+            tg.start_soon(
+                commit_one_a_step,
+                bucket,
+                lambda i: (0.3 if i < 5 else produce_every) * (1 - 0.1 * random.Random(i).random()),
+            )
             async with lakestream.open_reader(bucket.client("reader"), 0, 1, clock=now) as r:
                 asked = now()
                 async for b in r.steps(0, 80):
