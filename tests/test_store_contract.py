@@ -294,7 +294,7 @@ async def test_file_reads_of_cached_objects_take_no_thread_and_say_what_a_thread
                     await store.get_range(key, 0, 10)
             assert len(hops) == (7 if thread else 0), hops  # not one thread hop for a cached read
             with pytest.raises(CorruptData, match="a directory stands where an object should be"):
-                await store.get("a/dir")  # fails on the loop, then in a thread, which reports it
+                await store.get("a/dir")  # reported where the read was made
             hops.clear()
             assert bytes(await store.get_range("a/huge", 1, INLINE_BYTES + 1)) == huge[1 : INLINE_BYTES + 2]
             assert len(hops) == 1  # over INLINE_BYTES: read in a thread, the loop is not held that long

@@ -77,78 +77,53 @@ class FileStore:
 
     # -- blocking helpers, run in threads -----------------------------------------------------
 
-    def _read(self, key: str, offset: int, length: int | None) -> bytes:
+    def _read(self, key: str, offset: int, length: int | None, flags: int = 0, most: int | None = None) -> bytes | None:
+        """`length` bytes of `key` from `offset` (None: to its end; a range past the end is cut
+        short). Large ranges go to reused memory, the caller's alone: readers hand out views of it
+        without a copy (_buffers.py: fresh memory costs more than the read); a whole object is
+        bytes. On the calling thread (`most` set), None rather than read more than `most` bytes
+        or, with RWF_NOWAIT in `flags`, wait for a disk (or where the filesystem cannot say)."""
         try:
-            with open(self._path(key), "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                if length is not None:
-                    length = max(0, min(length, size - offset))  # a range past the end is cut short
-                if offset:
-                    f.seek(offset)
-                if length is None:
-                    return f.read()
-                # Large ranges go to reused memory, the caller's alone: readers hand out views of
-                # it without a copy (_buffers.py: fresh memory costs more than the read).
-                buf = pool.take(length)
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                size = os.fstat(fd).st_size
+                pooled = length is not None and length >= MIN_POOLED
+                length = max(0, size - offset if length is None else min(length, size - offset))
+                if most is not None and length > most:
+                    return None
+                buf = pool.take(length) if pooled else memoryview(bytearray(length))
                 got = 0
                 while got < length:
-                    n = f.readinto(buf[got:])
+                    n = os.preadv(fd, [buf[got:]], offset + got, flags)
                     if not n:
                         break
                     got += n
-                if length < MIN_POOLED:
-                    return bytes(buf[:got])
-                return buf if got == length else buf[:got]  # type: ignore[return-value]
+            finally:
+                os.close(fd)
+        except BlockingIOError:  # RWF_NOWAIT: not all in the page cache
+            return None
         except FileNotFoundError:
             raise ObjectNotFound(f"{self.url}: no object {key!r}") from None
         except OSError as e:
-            raise self._error(e, "read", key) from None
-
-    def _read_cached(self, key: str, offset: int, length: int | None, flags: int) -> bytes | None:
-        """`_read`, if the page cache holds the whole range (with RWF_NOWAIT in `flags`: nothing
-        waits for a disk) and it is at most INLINE_BYTES (a larger copy would hold the event loop
-        for more than a millisecond), else None (and for any error but a missing object, which
-        `_read` then reports)."""
-        try:
-            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise ObjectNotFound(f"{self.url}: no object {key!r}") from None
-        except OSError:
-            return None
-        try:
-            size = os.fstat(fd).st_size
-            pooled = length is not None and length >= MIN_POOLED  # as `_read`: a whole object is bytes
-            length = max(0, size - offset if length is None else min(length, size - offset))
-            if length > INLINE_BYTES:
-                return None
-            buf = pool.take(length) if pooled else memoryview(bytearray(length))
-            got = 0
-            while got < length:
-                n = os.preadv(fd, [buf[got:]], offset + got, flags)
-                if not n:
-                    break
-                got += n
-        except BlockingIOError:  # not all in the page cache
-            return None
-        except OSError as e:
-            if e.errno == errno.EOPNOTSUPP:  # this filesystem cannot say: every read goes to a thread
+            if flags and e.errno == errno.EOPNOTSUPP:  # this filesystem cannot say: every read goes to a thread
                 self._here = -1
-            return None
-        finally:
-            os.close(fd)
+                return None
+            raise self._error(e, "read", key) from None
         if not pooled:
             return bytes(buf[:got])
-        return buf if got == length else buf[:got]  # type: ignore[return-value]  # a buffer, as `_read` returns
+        return buf if got == length else buf[:got]  # type: ignore[return-value]  # a buffer, as the protocol allows
 
     async def _get(self, key: str, offset: int, length: int | None) -> bytes:
         if self._here is None:
             fs = filesystem_of(self.root)
             self._here = os.RWF_NOWAIT if fs in DISK_FILESYSTEMS else 0 if fs in MEMORY_FILESYSTEMS else -1
         if self._here >= 0:
-            data = self._read_cached(key, offset, length, self._here)
+            data = self._read(key, offset, length, self._here, INLINE_BYTES)
             if data is not None:
                 return data
-        return await anyio.to_thread.run_sync(self._read, key, offset, length)
+        data = await anyio.to_thread.run_sync(self._read, key, offset, length)
+        assert data is not None  # in a thread it waits
+        return data
 
     def _error(self, e: OSError, op: str, key: str) -> LakestreamError:
         """The one translation of a filesystem error into a Lakestream error naming the object."""
