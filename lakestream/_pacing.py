@@ -1,4 +1,5 @@
-"""Commit policies, and DAC: decentralised adaptive commit. Pure: no I/O, no clock, no hidden randomness.
+"""Commit policies, and DAC: decentralised adaptive commit; and the pace at which a follower of
+the log expects the next step (`StepPace`). Pure: no I/O, no clock, no hidden randomness.
 
 A policy answers two questions for one producer's committer, from what that producer observed:
 how long to wait before the next commit attempt, and how many ready TGBs to put in it. It is told
@@ -49,8 +50,10 @@ DAC picks a point on it, the same for every producer, from what the manifest sho
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
+from collections import deque
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -63,8 +66,12 @@ __all__ = [
     "EagerPolicy",
     "IntervalPolicy",
     "Observation",
+    "StepPace",
     "make_policy",
 ]
+
+PACE_WAKE = 0.9  # a follower at the tail looks again for the next step this far into the gap it expects
+PACE_GAPS = 8  # the arrivals of steps waited for that the expected gap is the median gap of
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,3 +264,32 @@ def make_policy(policy: str | CommitPolicy | None, rng: random.Random | None = N
         raise ValueError(f"unknown commit policy {policy!r}: choose one of {', '.join(POLICIES)}") from None
     takes_rng = cls in (DacPolicy, BackoffPolicy)
     return cast(CommitPolicy, cls(rng=rng) if rng is not None and takes_rng else cls())
+
+
+class StepPace:
+    """When a follower of the log at its tail expects the next step: from when the last steps it
+    waited for arrived (`arrived`, each step and when its wait ended, on the follower's clock).
+
+    Once a read of the log finds the step waited for is not there, the follower looks again when
+    it is due (`due`) rather than at every doubling of a poll interval from its least: a steady
+    stream is then read two or three times a step, and a step is seen a few ms after it lands,
+    not up to half a gap late. Used by readers (`Reader.wait_for_step`) and the mount's follower."""
+
+    def __init__(self, gaps: int = PACE_GAPS, wake: float = PACE_WAKE) -> None:
+        self.wake = wake
+        self._arrivals: deque[tuple[int, float]] = deque(maxlen=gaps + 1)
+
+    def arrived(self, step: int, when: float) -> None:
+        """`step` was waited for, and its wait ended at `when`."""
+        self._arrivals.append((step, when))
+
+    def due(self, step: int) -> float:
+        """When to look again for `step` after a read found the log ends before it: `wake` into the
+        median gap between consecutive steps' arrivals, after the previous step's; 0.0 (at once)
+        unless the previous step's arrival and at least two such gaps are known (after a catch-up
+        or a pause, when the previous step landed is not known)."""
+        a = self._arrivals
+        if len(a) < 3 or step != a[-1][0] + 1:
+            return 0.0
+        gaps = sorted(t1 - t0 for (s0, t0), (s1, t1) in itertools.pairwise(a) if s1 == s0 + 1)
+        return a[-1][1] + self.wake * gaps[len(gaps) // 2] if len(gaps) >= 2 else 0.0

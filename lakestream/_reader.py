@@ -11,7 +11,6 @@ of the fetched bytes). Committed steps are fetched ahead: as many as the consume
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import time
@@ -30,6 +29,7 @@ from ._buffers import pool
 from ._errors import ConfigMismatch, CorruptData, ObjectNotFound, StepUnavailable
 from ._lifecycle import checkpoint as _checkpoint
 from ._manifest import Manifest
+from ._pacing import StepPace
 from ._records import MAIN_JOB, check_job
 from ._retry import retry
 from ._segment import (
@@ -114,8 +114,6 @@ class _Fetch:
 
 
 PREFETCH_MAX_STEPS = 128  # steps fetched ahead at most, however fast the consumer (bounds the requests in flight)
-PACE_WAKE = 0.9  # a reader at the tail looks again for the next step this far into the gap it expects
-PACE_GAPS = 8  # the arrivals of steps waited for that the expected gap is the median gap of
 READ_AHEAD_EVERY = 0.1  # seconds between reads of the log ahead of a fast consumer, per view of it
 STEP_TIME_WEIGHT = 0.2  # weight of the newest step in the consumer's smoothed time per step
 
@@ -180,7 +178,7 @@ class Reader:
         self.requests = 0
         self._fetches: dict[tuple[int, int, int], _Fetch] = {}  # see _key
         self._inflight_bytes = 0
-        self._arrivals: deque[tuple[int, float]] = deque(maxlen=PACE_GAPS + 1)  # (step, when its wait ended)
+        self._pace = StepPace()  # when the steps waited for arrived
         self._tg: anyio.abc.TaskGroup | None = None
         self._metrics = _hooks.reader(self)
 
@@ -307,7 +305,7 @@ class Reader:
             entry = self._entry(step)
             if entry is not None:
                 if waited:
-                    self._arrivals.append((step, clock()))
+                    self._pace.arrived(step, clock())
                 return entry
             applied = await self.manifest.follow(enough=lambda: self.state.step(step) is not None)
             if check is not None:
@@ -320,7 +318,7 @@ class Reader:
                 raise TimeoutError(f"{self.url}: step {step} not committed within {timeout} s")
             if not waited:  # the log ends before it: look again when it is due at the stream's pace
                 waited = True
-                await anyio.sleep(min(max(interval, self._due(step) - clock()), self.poll_max, left))
+                await anyio.sleep(min(max(interval, self._pace.due(step) - clock()), self.poll_max, left))
                 continue
             await anyio.sleep(min(interval, left))
             interval = min(interval * 2, self.poll_max)
@@ -341,21 +339,6 @@ class Reader:
             return await self.wait_for_step(step, check=ended)
         except _Ended:
             return None
-
-    def _due(self, step: int) -> float:
-        """When (on the manifest's clock) to look again for `step`, once a read of the log found
-        it ends before it: PACE_WAKE into the gap at which the last steps waited for arrived (the
-        median of those gaps, from the previous step's arrival); 0 (at once) when no pace is known
-        or the previous step was not waited for (then when it landed is not known). A steady
-        stream is then read two or three times a step (the read ahead after the previous step, one
-        too early, one that finds the step), not at every doubling of the poll interval from
-        `poll_min`, and a step is seen a few ms after it lands, not up to half a gap late
-        (`test_a_reader_at_the_tail_of_a_steady_stream_reads_the_log_about_three_times_a_step`)."""
-        a = self._arrivals
-        if len(a) < 3 or step != a[-1][0] + 1:
-            return 0.0
-        gaps = sorted(t1 - t0 for (s0, t0), (s1, t1) in itertools.pairwise(a) if s1 == s0 + 1)
-        return a[-1][1] + PACE_WAKE * gaps[len(gaps) // 2] if len(gaps) >= 2 else 0.0
 
     def _entry(self, step: int) -> Step | None:
         s = self.state

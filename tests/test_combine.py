@@ -8,8 +8,6 @@ import hashlib
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -18,6 +16,7 @@ import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from simutil import commit_one_a_step, simulate
 
 import lakestream
 from lakestream import Config, State
@@ -631,20 +630,6 @@ async def test_a_combining_producer_about_to_upload_reads_the_tail_hint_alone_wh
 # -- many producers on a simulated store and clock (as bench/scale.py runs them) ---------------------
 
 
-def simulate(monkeypatch: pytest.MonkeyPatch, main: Callable[[], Awaitable[None]]) -> None:
-    """Run `main` on trio's mock clock (time passes only in sleeps; work sent to a thread runs
-    inline, taking no simulated time), as bench/scale.py does."""
-    pytest.importorskip("trio")
-    from trio.testing import MockClock
-
-    async def inline(func: Callable[..., Any], *args: Any, **_: Any) -> Any:
-        await anyio.lowlevel.checkpoint()
-        return func(*args)
-
-    monkeypatch.setattr(anyio.to_thread, "run_sync", inline)
-    anyio.run(main, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)})
-
-
 class Fleet:
     """`n` combining producers on one simulated bucket, started over `ramp` seconds, each putting
     a sample every `period` seconds; each can be stopped at once (as if its process died)."""
@@ -890,16 +875,6 @@ def test_a_fast_reader_learns_of_versions_soon_after_they_land_at_a_bounded_rate
     # where the versions expected since the last read were more than landed): 29 a second here;
     # before, reading the log only within `prefetch` steps of the head, 25 a second.
     assert log_gets / span <= 2 / _reader.READ_AHEAD_EVERY + len(lags) / span, (log_gets, span, len(lags))
-
-
-async def commit_one_a_step(bucket: SimulatedS3, pause: Callable[[int], float]) -> None:
-    """A producer committing one sample (one step of world size 1) at a time, `pause(i)` apart."""
-    now = anyio.current_time
-    async with lakestream.open_producer(bucket.client("producer"), "p", clock=now, wall=lambda: 1e9 + now()) as p:
-        for i in range(10_000):
-            await p.put({"__key__": f"s{i}", "txt": "x"}, cursor=i + 1)
-            await p.flush()
-            await anyio.sleep(pause(i))
 
 
 def test_a_reader_at_the_tail_of_a_steady_stream_reads_the_log_about_three_times_a_step(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections import Counter
@@ -13,12 +14,14 @@ from hypothesis import strategies as st
 
 import lakestream
 from lakestream._pacing import (
+    PACE_WAKE,
     AttemptOutcome,
     BackoffPolicy,
     DacPolicy,
     EagerPolicy,
     IntervalPolicy,
     Observation,
+    StepPace,
     make_policy,
 )
 from lakestream._store import MemoryStore
@@ -201,3 +204,32 @@ async def test_32_producers_no_livelock_exactly_once_ceiling_respected() -> None
     late = [(age, delay) for age, delay in held if delay > 0 and age + delay > ceiling + 1e-6]
     assert not late, late
     assert sum(s.commits for s in stats) < len(state.steps)  # grouping happened
+
+
+@given(
+    st.lists(st.floats(0.001, 10.0), min_size=0, max_size=20),
+    st.lists(st.integers(1, 3), min_size=20, max_size=20),
+)
+def test_step_pace_expects_the_next_step_a_fraction_into_the_median_gap_of_consecutive_arrivals(
+    gaps: list[float], strides: list[int]
+) -> None:
+    """`StepPace.due` is PACE_WAKE into the median of the last gaps between consecutive steps'
+    arrivals, after the previous step's; at once (0.0) for any other step, or while fewer than
+    two such gaps are known among the last arrivals: a catch-up (steps not waited for one by
+    one) or a skip leaves no pace, and a reader then looks at once, never later than it would."""
+    pace = StepPace()
+    arrivals: list[tuple[int, float]] = []
+    step, when = 0, 100.0
+    for gap, stride in zip(gaps, strides):
+        pace.arrived(step, when)
+        arrivals.append((step, when))
+        step, when = step + stride, when + gap
+    last = arrivals[-9:]
+    known = sorted(t1 - t0 for (s0, t0), (s1, t1) in itertools.pairwise(last) if s1 == s0 + 1)
+    for asked in (arrivals[-1][0] + 1 if arrivals else 1, arrivals[-1][0] + 2 if arrivals else 2, 0):
+        due = pace.due(asked)
+        if arrivals and asked == arrivals[-1][0] + 1 and len(known) >= 2:
+            assert due == pytest.approx(arrivals[-1][1] + PACE_WAKE * known[len(known) // 2])
+            assert arrivals[-1][1] < due <= arrivals[-1][1] + max(known)
+        else:
+            assert due == 0.0

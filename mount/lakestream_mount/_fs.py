@@ -70,7 +70,7 @@ import os
 import random
 import stat
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -84,6 +84,7 @@ from lakestream import _layout as layout
 from lakestream import metrics
 from lakestream._buffers import pool
 from lakestream._config import LIMITS
+from lakestream._pacing import StepPace
 from lakestream._retry import Backoff  # the library's one backoff policy (same distribution)
 from lakestream._segment import npy_header
 from lakestream._tasks import run_sync
@@ -453,8 +454,10 @@ class LakeFS(pyfuse3.Operations):
         poll_interval: tuple[float, float] = (0.002, 0.5),
         retry_interval: tuple[float, float] = (0.5, 10.0),
         mountpoint: str = "",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__()
+        self.clock = clock  # of the log's following and lookups' waits (a test's simulated one)
         self.reader = reader
         self.served = ranks  # the ranks this node serves when in force (None: all)
         self._served = frozenset(ranks or ())
@@ -484,7 +487,10 @@ class LakeFS(pyfuse3.Operations):
         self.follow_error: str | None = None
         self.closing = anyio.Event()
         self._waiters = 0
+        self._waiting: Counter[int] = Counter()  # steps lookups wait for, and how many wait for each
         self._wait_started = 0.0  # when the newest wait for a step started
+        self._pace = StepPace()  # when the steps lookups waited for arrived
+        self._empty = 0  # reads of the log that found nothing new since it moved or a new wait started
         self.detached = False
         self.mountpoint = mountpoint
         self._checked_mount = time.monotonic()
@@ -535,12 +541,16 @@ class LakeFS(pyfuse3.Operations):
         async with anyio.create_task_group() as tg:
             self._tg = tg
             task_status.started()
-            last_change = time.monotonic()
+            last_change = self.clock()
             failures = 0
             self._prefetch()
             while not self.closing.is_set():
                 try:
-                    changed = await self.reader.manifest.refresh()  # versions applied
+                    # While lookups wait, a read that brings the newest step waited for stops there:
+                    # the waiters wake a GET sooner, and the next lookup's read confirms the tail.
+                    wanted = max(self._waiting, default=None)
+                    enough = None if wanted is None else lambda: self.state.head >= wanted
+                    changed = await self.reader.manifest.refresh(enough=enough)  # versions applied
                 except Exception as group:
                     failures += 1
                     e = _leaf(group)
@@ -556,14 +566,18 @@ class LakeFS(pyfuse3.Operations):
                 if failures:
                     log.warning("following %s again after %d failures", self.reader.url, failures)
                     failures, self.follow_error = 0, None
-                now = time.monotonic()
+                now = self.clock()
                 if changed:
-                    last_change = now
+                    last_change, self._empty = now, 0
+                    if self._waiters:  # a lookup waited at the tail: the head arrived now
+                        self._pace.arrived(self.state.head, now)
                     self._applied()
+                else:
+                    self._empty += 1
                 with anyio.move_on_after(self.follow_delay(now - max(last_change, self._wait_started))):
                     await self._poke.wait()  # a new waiter: look once now
                 if self._poke.is_set():
-                    self._poke = anyio.Event()
+                    self._poke, self._empty = anyio.Event(), 0
                 self._check_unmounted()
 
     def poll_delay(self, unchanged: float) -> float:
@@ -576,11 +590,23 @@ class LakeFS(pyfuse3.Operations):
         return min(self.poll_max, max(self.poll_min, (unchanged - POLL_FAST_FOR) / 8))
 
     def follow_delay(self, unchanged: float) -> float:
-        """`poll_delay`, and `POLL_UNAWAITED` at the least while no request waits for a step: what
-        comes next is then prefetched, not awaited. A mount following a live stream that its
-        trainer is behind reads the log 20 times a second, not every `poll_min`."""
-        delay = self.poll_delay(unchanged)
-        return delay if self._waiters else max(delay, POLL_UNAWAITED)
+        """Seconds until the next read of the log. While no request waits for a step, `poll_delay`
+        and `POLL_UNAWAITED` at the least: what comes next is then prefetched, not awaited (a mount
+        following a live stream that its trainer is behind reads the log 20 times a second, not
+        every `poll_min`). While one waits at the stream's known pace (`StepPace`: the last steps
+        arrived while lookups waited for them), once a read found the log ends at the head (after
+        it moved, or the first look for a new waiter), until the next step is due, then `poll_min`
+        doubling: a trainer waiting on a live stream costs its mount two to four reads of the log a
+        step, not one every `poll_min` (docs/benchmarks.md, "The mount at the tail"). Otherwise
+        `poll_delay`."""
+        if not self._waiters:
+            return max(self.poll_delay(unchanged), POLL_UNAWAITED)
+        due = self._pace.due(self.state.head + 1)
+        if not due:
+            return self.poll_delay(unchanged)
+        if self._empty <= 1:
+            return min(max(self.poll_min, due - self.clock()), self.poll_max)
+        return min(self.poll_min * 2.0 ** min(self._empty - 2, 30), self.poll_max)
 
     def _applied(self) -> None:
         """After the manifest moved: forget what a rewind or reclamation made stale, wake waiters, prefetch."""
@@ -676,13 +702,14 @@ class LakeFS(pyfuse3.Operations):
     async def _wait_for(self, step: int, caller: int) -> bool:
         """True once `step` is committed; False if it is not retained, `wait` ran out, or the
         mount is shutting down. EINTR once the `caller` thread has a signal pending."""
-        started = time.monotonic()
+        started = self.clock()
         deadline = started + self.wait
         self._waiters += 1
+        self._waiting[step] += 1
         waited = False
         try:
             while step > self.state.head:
-                left = deadline - time.monotonic()
+                left = deadline - self.clock()
                 if left <= 0 or self.closing.is_set() or self._past_end(step):
                     return False
                 if signal_pending(caller):
@@ -690,14 +717,17 @@ class LakeFS(pyfuse3.Operations):
                     raise pyfuse3.FUSEError(errno.EINTR)
                 if not waited:
                     waited = True
-                    self._wait_started = time.monotonic()
+                    self._wait_started = self.clock()
                     self._poke.set()
                 changed = self._changed
                 with anyio.move_on_after(min(left, INTERRUPT_POLL) if caller > 0 else left):
                     await changed.wait()
         finally:
             self._waiters -= 1
-            self.metrics.waited(time.monotonic() - started)
+            self._waiting[step] -= 1
+            if not self._waiting[step]:
+                del self._waiting[step]
+            self.metrics.waited(self.clock() - started)
         return step >= self.state.first_step
 
     def _looked_up(self, step: int) -> None:
