@@ -167,12 +167,25 @@ class Block:
         return np.ndarray((self.count, *self.shape), self.dtype, buffer=data, offset=self.offset)
 
 
-@dataclass(frozen=True, slots=True)
 class SliceIndex:
-    """A slice's fields, in order (each sample's adjacent), and its array blocks by field."""
+    """A slice's fields, in order (each sample's adjacent), and its array blocks by field.
 
-    refs: list[FieldRef]
-    blocks: dict[str, Block]
+    `fields`: each field as a `(key, field, tag, offset, length)` tuple; `refs`: the same as
+    FieldRefs, made on first use (a frozen dataclass costs a microsecond or so to make, a fifth
+    of a sample's parse, and reading columns needs none)."""
+
+    __slots__ = ("_refs", "blocks", "fields")
+
+    def __init__(self, fields: list[tuple[str, str, str, int, int]], blocks: dict[str, Block]) -> None:
+        self.fields = fields
+        self.blocks = blocks
+        self._refs: list[FieldRef] | None = None
+
+    @property
+    def refs(self) -> list[FieldRef]:
+        if self._refs is None:
+            self._refs = [FieldRef(*f) for f in self.fields]
+        return self._refs
 
 
 def _plain_name(name: object, allow_dot: bool) -> bool:
@@ -452,44 +465,55 @@ def parse_slice(data: Any, where: str = "rank slice") -> SliceIndex:
             entries = header
             if not isinstance(entries, list):
                 raise ValueError("header is not a list")
-        start = pos
-        refs: list[FieldRef] = []
-        keys: set[str] = set()
+        start, size = pos, len(data)
+        refs: list[tuple[str, str, str, int, int]] = []
         rows = {name: b.row_bytes for name, b in blocks.items()}
+        block_names = blocks.keys()
+        if not all(type(e) is list and len(e) == 2 and type(e[1]) is list and e[1] for e in entries):
+            entry = next(
+                e for e in entries if not (isinstance(e, list) and len(e) == 2 and isinstance(e[1], list) and e[1])
+            )
+            raise ValueError(f"bad sample entry {entry!r:.80}")
+        # The keys at once, in C: plain (ASCII, 1-255 characters, no '/', NUL or '.'), none
+        # reserved, none twice. Any other slice's keys get the full check and its wording below.
+        keys = [e[0] for e in entries]
+        joined = "\0".join(keys) if all(type(k) is str for k in keys) else None
+        plain_keys = (
+            joined is not None and joined.isascii() and joined.count("\0") == len(keys) - 1 and "/" not in joined
+            and "." not in joined and (not keys or (min(map(len, keys)) > 0 and max(map(len, keys)) <= 255))
+            and RESERVED_KEYS.isdisjoint(keys) and len(set(keys)) == len(keys)
+        )  # fmt: skip
+        seen: set[str] = set()
         plain = _plain_name  # the common names' fast path; anything else gets the full check and its wording
-        for i, entry in enumerate(entries):
-            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list) and entry[1]):
-                raise ValueError(f"bad sample entry {entry!r:.80}")
-            key, fields = entry
-            key_plain = plain(key, False)
-            if not (key_plain and key not in RESERVED_KEYS):
+        for i, (key, fields) in enumerate(entries):
+            if not plain_keys:
                 _check_key(key)
-            if key in keys:
-                raise ValueError(f"sample key {key!r} appears twice")
-            keys.add(key)
+                if key in seen:
+                    raise ValueError(f"sample key {key!r} appears twice")
+                seen.add(key)
             names: set[str] = set()
             for f in fields:
-                if not (isinstance(f, list) and len(f) == 3):
+                if not (type(f) is list and len(f) == 3):
                     raise ValueError(f"sample {key!r}: bad field entry {f!r:.80}")
                 name, tag, length = f
                 # Both plain, so ASCII: '<key>.<field>' is within 255 bytes if within 255 characters.
-                if not (key_plain and plain(name, True) and len(key) + len(name) < 255):
+                if not (plain_keys and plain(name, True) and len(key) + len(name) < 255):
                     _check_field(key, name)
                 if name in names:
                     raise ValueError(f"sample {key!r}: field {name!r} appears twice")
                 names.add(name)
                 blk = blocks.get(name)
                 if tag == "a" and blk is not None and type(length) is int and length == rows[name]:
-                    refs.append(FieldRef(key, name, tag, blk.offset + i * length, length))
+                    refs.append((key, name, tag, blk.offset + i * length, length))
                     continue
-                if tag not in TAGS or blk is not None or type(length) is not int or not 0 <= length <= len(data) - pos:
+                if tag not in TAGS or blk is not None or type(length) is not int or not 0 <= length <= size - pos:
                     raise ValueError(f"sample {key!r} field {name!r}: bad tag {tag!r} or length {length!r}")
-                refs.append(FieldRef(key, name, tag, pos, length))
+                refs.append((key, name, tag, pos, length))
                 pos += length
-            if len(names & blocks.keys()) != len(blocks):
-                raise ValueError(f"sample {key!r} lacks array field(s) {sorted(blocks.keys() - names)!r:.80}")
-        if pos != len(data):
-            raise ValueError(f"payload is {len(data) - start} bytes, header says {pos - start}")
+            if blocks and not block_names <= names:
+                raise ValueError(f"sample {key!r} lacks array field(s) {sorted(block_names - names)!r:.80}")
+        if pos != size:
+            raise ValueError(f"payload is {size - start} bytes, header says {pos - start}")
         return SliceIndex(refs, blocks)
     except (ValueError, TypeError, struct.error, InvalidSample) as e:
         raise CorruptData(f"{where}: malformed slice: {e}") from None
@@ -638,23 +662,23 @@ def decode_part(
     samples: list[dict[str, Any]] = []
     n, current = 0, None
     sample: dict[str, Any] | None = None
-    for ref in index.refs:  # a sample's fields are adjacent and keys unique
-        if ref.key != current:
-            current, n = ref.key, n + 1
-            sample = {KEY_FIELD: ref.key} if lo < n and (hi is None or n <= hi) else None
+    for key, name, tag, offset, length in index.fields:  # a sample's fields are adjacent and keys unique
+        if key != current:
+            current, n = key, n + 1
+            sample = {KEY_FIELD: key} if lo < n and (hi is None or n <= hi) else None
             if sample is not None:
                 samples.append(sample)
         if sample is None:
             continue
-        if ref.tag == "a":
-            row = view[ref.offset : ref.offset + ref.length]
-            sample[ref.field] = headers[ref.field] + row if raw else arrays[ref.field][n - 1, ...].copy()
+        if tag == "a":
+            row = view[offset : offset + length]
+            sample[name] = headers[name] + row if raw else arrays[name][n - 1, ...].copy()
             continue
         try:
-            value = bytes(view[ref.offset : ref.offset + ref.length])
-            sample[ref.field] = value if raw else decode_value(ref.tag, value)
+            value = bytes(view[offset : offset + length])
+            sample[name] = value if raw else decode_value(tag, value)
         except (ValueError, TypeError) as e:
-            raise CorruptData(f"{where} key {ref.key!r} field {ref.field!r}: {e}") from None
+            raise CorruptData(f"{where} key {key!r} field {name!r}: {e}") from None
     return n, samples
 
 
@@ -709,21 +733,21 @@ def decode_columns(
     keys: list[str] = []
     values: dict[str, dict[int, Any]] = {}  # field -> {position in keys: value}
     n, current, keep = 0, None, False
-    for ref in index.refs:
-        if ref.key != current:
-            current, n = ref.key, n + 1
+    for key, name, tag, offset, length in index.fields:
+        if key != current:
+            current, n = key, n + 1
             keep = lo < n and (hi is None or n <= hi)
             if keep:
-                keys.append(ref.key)
-        if not keep or ref.tag == "a":
+                keys.append(key)
+        if not keep or tag == "a":
             continue
         try:
-            value = decode_value(ref.tag, bytes(view[ref.offset : ref.offset + ref.length]))
+            value = decode_value(tag, bytes(view[offset : offset + length]))
         except (ValueError, TypeError) as e:
-            raise CorruptData(f"{where} key {ref.key!r} field {ref.field!r}: {e}") from None
-        values.setdefault(ref.field, {})[len(keys) - 1] = value
+            raise CorruptData(f"{where} key {key!r} field {name!r}: {e}") from None
+        values.setdefault(name, {})[len(keys) - 1] = value
     columns: dict[str, Any] = {}
-    for name in dict.fromkeys(ref.field for ref in index.refs):
+    for name in dict.fromkeys(f[1] for f in index.fields):
         if name in index.blocks:
             columns[name] = index.blocks[name].array(view)[lo : lo + len(keys)]
         elif name in values:
