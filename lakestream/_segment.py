@@ -484,7 +484,7 @@ def parse_slice(data: Any, where: str = "rank slice") -> SliceIndex:
             and RESERVED_KEYS.isdisjoint(keys) and len(set(keys)) == len(keys)
         )  # fmt: skip
         seen: set[str] = set()
-        plain = _plain_name  # the common names' fast path; anything else gets the full check and its wording
+        plain_names: set[str] = set()  # field names found plain in this slice (most recur in every sample)
         for i, (key, fields) in enumerate(entries):
             if not plain_keys:
                 _check_key(key)
@@ -496,8 +496,12 @@ def parse_slice(data: Any, where: str = "rank slice") -> SliceIndex:
                 if not (type(f) is list and len(f) == 3):
                     raise ValueError(f"sample {key!r}: bad field entry {f!r:.80}")
                 name, tag, length = f
+                plain = type(name) is str and name in plain_names
+                if not plain and plain_keys and _plain_name(name, True):
+                    plain = True
+                    plain_names.add(name)
                 # Both plain, so ASCII: '<key>.<field>' is within 255 bytes if within 255 characters.
-                if not (plain_keys and plain(name, True) and len(key) + len(name) < 255):
+                if not (plain and len(key) + len(name) < 255):
                     _check_field(key, name)
                 if name in names:
                     raise ValueError(f"sample {key!r}: field {name!r} appears twice")

@@ -63,17 +63,22 @@ def filesystem_of(path: Path) -> str:
 class FileStore:
     def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
         self.root = Path(root).absolute()
+        self._root = str(self.root)
         self.url = f"file://{self.root}"
         self.durable = durable
         self.requests = 0  # calls made (for cost accounting, as S3 counts requests)
         # preadv2 flags of reads made on the calling thread (None: not known yet; -1: none is)
         self._here: int | None = None
 
-    def _path(self, key: str) -> Path:
+    def _file(self, key: str) -> str:
+        """The file of object `key` (a str: pathlib's joins cost more than a small cached read)."""
         parts = key.split("/")
         if not key or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
             raise ValueError(f"{self.url}: invalid object key {key!r}")
-        return self.root.joinpath(*parts)
+        return os.path.join(self._root, *parts)
+
+    def _path(self, key: str) -> Path:
+        return Path(self._file(key))
 
     # -- blocking helpers, run in threads -----------------------------------------------------
 
@@ -84,7 +89,7 @@ class FileStore:
         bytes. On the calling thread (`most` set), None rather than read more than `most` bytes
         or, with RWF_NOWAIT in `flags`, wait for a disk (or where the filesystem cannot say)."""
         try:
-            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(self._file(key), os.O_RDONLY | os.O_CLOEXEC)
             try:
                 size = os.fstat(fd).st_size
                 pooled = length is not None and length >= MIN_POOLED
