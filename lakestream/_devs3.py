@@ -55,6 +55,13 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+PORT_ATTEMPTS = 3  # starts of a server whose ports another process took first
+
+
+class _PortTaken(RuntimeError):
+    """The server exited because one of its ports was taken after it was chosen."""
+
+
 def free_ports(n: int) -> list[int]:
     """`n` distinct currently free TCP ports on 127.0.0.1 (all below 65536, so usable for gRPC)."""
     socks = []
@@ -101,7 +108,20 @@ class S3Server:
         }
 
     def start(self, timeout: float = 60.0) -> S3Server:
-        """Start the server and wait until S3 answers a signed request."""
+        """Start the server and wait until S3 answers a signed request. Ports are chosen free
+        and then bound by the server, so another process may take one in between (an outgoing
+        connection takes ports from the same range): the server then exits at once, and is
+        started again on fresh ports, up to PORT_ATTEMPTS times in all."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return self._start(timeout)
+            except _PortTaken:
+                if self._port or attempt == PORT_ATTEMPTS:
+                    raise
+                self.dir.mkdir(parents=True, exist_ok=True)  # `stop` removed a temporary one
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> S3Server:
         m, mg, v, vg, f, fg, s3, s3g = free_ports(8)
         s3 = self._port or s3
         config = self.dir / "s3.json"
@@ -188,7 +208,8 @@ class S3Server:
             while time.monotonic() < deadline:
                 assert self.proc is not None
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"weed server exited with {self.proc.returncode}:\n{self.log_tail()}")
+                    error = _PortTaken if "address already in use" in self.log_tail() else RuntimeError
+                    raise error(f"weed server exited with {self.proc.returncode}:\n{self.log_tail()}")
                 try:
                     client.list_buckets()
                     return

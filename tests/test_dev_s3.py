@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
+import pytest
 from cliutil import run_cli, spawn_cli, wait_until
 
 
@@ -79,3 +81,34 @@ def test_dev_s3_serves_a_stream_keeps_it_in_dir_and_never_outlives_its_process(t
     finally:
         proc.kill()
         proc.communicate()
+
+
+def test_a_server_whose_port_was_taken_before_it_bound_it_starts_again_on_fresh_ports(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ports are chosen free and then bound by `weed`; another process may take one in between
+    (parallel test workers' connections draw from the same range). The server exits at once
+    ("address already in use") and is started again on fresh ports, not reported as broken."""
+    from lakestream import _devs3
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    chosen: list[list[int]] = []
+    real = _devs3.free_ports
+
+    def first_one_taken(n: int) -> list[int]:
+        ports = real(n)
+        if not chosen:
+            ports[4] = taken.getsockname()[1]  # the filer's port, as in the failure seen
+        chosen.append(ports)
+        return ports
+
+    monkeypatch.setattr(_devs3, "free_ports", first_one_taken)
+    try:
+        with _devs3.S3Server() as server:
+            assert len(chosen) == 2 and server.endpoint_url == f"http://127.0.0.1:{chosen[1][6]}"
+            url = server.new_bucket("s")
+            assert url.startswith("s3://")
+    finally:
+        taken.close()
