@@ -72,6 +72,7 @@ __all__ = [
 
 PACE_WAKE = 0.9  # a follower at the tail looks again for the next step this far into the gap it expects
 PACE_GAPS = 8  # the arrivals of steps waited for that the expected gap is the median gap of
+PACE_LATE = 1 / 8  # once a step is past due, the longest wait between looks for it, as a fraction of its gap
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,9 +272,10 @@ class StepPace:
     waited for arrived (`arrived`, each step and when its wait ended, on the follower's clock).
 
     Once a read of the log finds the step waited for is not there, the follower looks again when
-    it is due (`due`) rather than at every doubling of a poll interval from its least: a steady
-    stream is then read two or three times a step, and a step is seen a few ms after it lands,
-    not up to half a gap late. Used by readers (`Reader.wait_for_step`) and the mount's follower."""
+    it is due (`due`) rather than at every doubling of a poll interval from its least; past that,
+    at an interval that doubles up to `PACE_LATE` of the gap (`longest`). A steady stream is then
+    read two to four times a step, and a step is seen within an eighth of a gap of landing, not
+    up to half a gap late. Used by readers (`Reader.wait_for_step`) and the mount's follower."""
 
     def __init__(self, gaps: int = PACE_GAPS, wake: float = PACE_WAKE) -> None:
         self.wake = wake
@@ -283,13 +285,28 @@ class StepPace:
         """`step` was waited for, and its wait ended at `when`."""
         self._arrivals.append((step, when))
 
-    def due(self, step: int) -> float:
-        """When to look again for `step` after a read found the log ends before it: `wake` into the
-        median gap between consecutive steps' arrivals, after the previous step's; 0.0 (at once)
-        unless the previous step's arrival and at least two such gaps are known (after a catch-up
-        or a pause, when the previous step landed is not known)."""
+    def gap(self, step: int) -> float:
+        """The gap at which `step` is expected after the previous one: the median gap between
+        consecutive steps' last arrivals (the lower one of an even count: of two, the shorter,
+        so a pause before the first steps does not stand for the pace); 0.0 (not known) unless the previous step's arrival and
+        at least two such gaps are known (after a catch-up or a pause, when the previous step
+        landed is not known)."""
         a = self._arrivals
         if len(a) < 3 or step != a[-1][0] + 1:
             return 0.0
         gaps = sorted(t1 - t0 for (s0, t0), (s1, t1) in itertools.pairwise(a) if s1 == s0 + 1)
-        return a[-1][1] + self.wake * gaps[len(gaps) // 2] if len(gaps) >= 2 else 0.0
+        return gaps[(len(gaps) - 1) // 2] if len(gaps) >= 2 else 0.0
+
+    def due(self, step: int) -> float:
+        """When to look again for `step` after a read found the log ends before it: `wake` into
+        its expected gap after the previous step's arrival; 0.0 (at once) if that is not known."""
+        gap = self.gap(step)
+        return self._arrivals[-1][1] + self.wake * gap if gap else 0.0
+
+    def longest(self, step: int, waited: float) -> float:
+        """The longest wait between looks for `step` once it is past due, `waited` seconds into
+        its wait: PACE_LATE of its expected gap, or an eighth of the wait beyond a second,
+        whichever is longer (a stream that stopped is read less and less often); unbounded
+        (inf) if the gap is not known."""
+        gap = self.gap(step)
+        return max(PACE_LATE * gap, (waited - 1.0) / 8) if gap else math.inf

@@ -302,7 +302,8 @@ class Reader:
         `check` runs after every read of the log and may raise.
         """
         clock = self.manifest.clock
-        deadline = math.inf if timeout is None else clock() + timeout
+        started = clock()
+        deadline = math.inf if timeout is None else started + timeout
         interval = self.poll_min
         waited = False
         while True:
@@ -324,7 +325,8 @@ class Reader:
                 waited = True
                 await anyio.sleep(min(max(interval, self._pace.due(step) - clock()), self.poll_max, left))
                 continue
-            await anyio.sleep(min(interval, left))
+            longest = max(self.poll_min, self._pace.longest(step, clock() - started))
+            await anyio.sleep(min(interval, longest, left))
             interval = min(interval * 2, self.poll_max)
 
     async def wait_for_step_or_end(self, step: int, *, check: Callable[[], None] | None = None) -> Step | None:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import lakestream
 from lakestream._pacing import (
+    PACE_LATE,
     PACE_WAKE,
     AttemptOutcome,
     BackoffPolicy,
@@ -228,8 +229,14 @@ def test_step_pace_expects_the_next_step_a_fraction_into_the_median_gap_of_conse
     known = sorted(t1 - t0 for (s0, t0), (s1, t1) in itertools.pairwise(last) if s1 == s0 + 1)
     for asked in (arrivals[-1][0] + 1 if arrivals else 1, arrivals[-1][0] + 2 if arrivals else 2, 0):
         due = pace.due(asked)
+        longest = pace.longest(asked, 0.5)
         if arrivals and asked == arrivals[-1][0] + 1 and len(known) >= 2:
-            assert due == pytest.approx(arrivals[-1][1] + PACE_WAKE * known[len(known) // 2])
+            gap = known[(len(known) - 1) // 2]
+            assert due == pytest.approx(arrivals[-1][1] + PACE_WAKE * gap)
             assert arrivals[-1][1] < due <= arrivals[-1][1] + max(known)
+            # Past due, looks come at least every PACE_LATE of the gap in the first second of a
+            # wait, and less and less often after it (a stream that stopped).
+            assert longest == pytest.approx(PACE_LATE * gap)
+            assert pace.longest(asked, 3600.0) == pytest.approx(max(PACE_LATE * gap, 3599.0 / 8))
         else:
-            assert due == 0.0
+            assert due == 0.0 and longest == math.inf

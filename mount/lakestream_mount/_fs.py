@@ -548,7 +548,7 @@ class LakeFS(pyfuse3.Operations):
                 try:
                     # While lookups wait, a read that brings the newest step waited for stops there:
                     # the waiters wake a GET sooner, and the next lookup's read confirms the tail.
-                    wanted = max(self._waiting, default=None)
+                    wanted, head = max(self._waiting, default=None), self.state.head
                     enough = None if wanted is None else lambda: self.state.head >= wanted
                     changed = await self.reader.manifest.refresh(enough=enough)  # versions applied
                 except Exception as group:
@@ -569,7 +569,7 @@ class LakeFS(pyfuse3.Operations):
                 now = self.clock()
                 if changed:
                     last_change, self._empty = now, 0
-                    if self._waiters:  # a lookup waited at the tail: the head arrived now
+                    if self._waiters and self.state.head > head:  # a lookup waited at the tail: a step arrived now
                         self._pace.arrived(self.state.head, now)
                     self._applied()
                 else:
@@ -596,17 +596,19 @@ class LakeFS(pyfuse3.Operations):
         every `poll_min`). While one waits at the stream's known pace (`StepPace`: the last steps
         arrived while lookups waited for them), once a read found the log ends at the head (after
         it moved, or the first look for a new waiter), until the next step is due, then `poll_min`
-        doubling: a trainer waiting on a live stream costs its mount two to four reads of the log a
-        step, not one every `poll_min` (docs/benchmarks.md, "The mount at the tail"). Otherwise
-        `poll_delay`."""
+        doubling up to an eighth of the gap (`StepPace.longest`): a trainer waiting on a live
+        stream costs its mount two to four reads of the log a step, not one every `poll_min`
+        (docs/benchmarks.md, "The mount at the tail"). Otherwise `poll_delay`."""
         if not self._waiters:
             return max(self.poll_delay(unchanged), POLL_UNAWAITED)
-        due = self._pace.due(self.state.head + 1)
+        step = self.state.head + 1
+        due = self._pace.due(step)
         if not due:
             return self.poll_delay(unchanged)
         if self._empty <= 1:
             return min(max(self.poll_min, due - self.clock()), self.poll_max)
-        return min(self.poll_min * 2.0 ** min(self._empty - 2, 30), self.poll_max)
+        doubled = self.poll_min * 2.0 ** min(self._empty - 2, 30)
+        return min(doubled, max(self.poll_min, self._pace.longest(step, unchanged)), self.poll_max)
 
     def _applied(self) -> None:
         """After the manifest moved: forget what a rewind or reclamation made stale, wake waiters, prefetch."""
