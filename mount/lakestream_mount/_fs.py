@@ -597,8 +597,9 @@ class LakeFS(pyfuse3.Operations):
         arrived while lookups waited for them), once a read found the log ends at the head (after
         it moved, or the first look for a new waiter), until the next step is due, then `poll_min`
         doubling up to an eighth of the gap (`StepPace.longest`): a trainer waiting on a live
-        stream costs its mount two to four reads of the log a step, not one every `poll_min`
-        (docs/benchmarks.md, "The mount at the tail"). Otherwise `poll_delay`."""
+        stream costs its mount about four reads of the log a step, not one every `poll_min`
+        (docs/benchmarks.md, "The mount at the tail, reused fetchers, the slice parse").
+        Otherwise `poll_delay`."""
         if not self._waiters:
             return max(self.poll_delay(unchanged), POLL_UNAWAITED)
         step = self.state.head + 1
