@@ -369,11 +369,6 @@ class Manifest:
                 f"versions up to {above} exist, and no usable snapshot covers it{why}"
             )
 
-    @property
-    def probe_latency(self) -> float:
-        """Seconds the last read round that found the tail took."""
-        return self._probe_latency
-
     async def refresh(self, window: int | None = None, *, enough: Callable[[], bool] | None = None) -> int:
         """Apply every version written since the last call; the number applied.
 

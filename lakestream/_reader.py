@@ -469,12 +469,10 @@ class Reader:
         steps of the known head; within the adaptive depth, once the tail was last confirmed
         READ_AHEAD_EVERY ago (a fast consumer learns of a version about that soon after it lands,
         at a bounded rate of log reads per view, shared by the ranks following it). Not at the
-        tail of a steady stream when a read of the log (as long as the last that found the tail)
-        would answer before the next step is due (`StepPace`): it would find nothing, and the wait
-        for the next step looks at once when it is asked for. On a store slower than the stream's
-        pace (S3 at tens of steps a second) the read ahead still goes, and may bring the step."""
+        tail of a steady stream before the next step is due (`StepPace`): that read would find
+        nothing, and the wait for the next step looks at once when it is asked for."""
         head = self.state.head
-        if head == step and self.manifest.clock() + self.manifest.probe_latency < self._pace.due(step + 1):
+        if head == step and self.manifest.clock() < self._pace.due(step + 1):
             return False
         if head < step + self.prefetch:
             return True
