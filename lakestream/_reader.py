@@ -468,12 +468,8 @@ class Reader:
         fetched) before they are asked for, not one round trip after: at once within `prefetch`
         steps of the known head; within the adaptive depth, once the tail was last confirmed
         READ_AHEAD_EVERY ago (a fast consumer learns of a version about that soon after it lands,
-        at a bounded rate of log reads per view, shared by the ranks following it). Not at the
-        tail of a steady stream before the next step is due (`StepPace`): that read would find
-        nothing, and the wait for the next step looks at once when it is asked for."""
+        at a bounded rate of log reads per view, shared by the ranks following it)."""
         head = self.state.head
-        if head == step and self.manifest.clock() < self._pace.due(step + 1):
-            return False
         if head < step + self.prefetch:
             return True
         return head < step + depth and self.manifest.clock() - self.manifest.confirmed_at >= READ_AHEAD_EVERY

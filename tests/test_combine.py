@@ -882,13 +882,12 @@ def test_a_reader_at_the_tail_of_a_steady_stream_reads_the_log_about_three_times
 ) -> None:
     """A consumer that takes each step as soon as it is committed, one every 0.08-0.1 s (a live
     trainer waiting on its producers): once a read of the log finds the next step is not there,
-    its reader sleeps until the step is due at the pace the last ones arrived, it stops reading
-    once it has the step, and it reads no further ahead before the next is due, so it reads the
-    log about three times a step (the look when the step is asked for, one when it is due, one or
-    two past that), not once for each doubling of the poll interval from `poll_min` and twice
-    more to confirm the tail after finding the step (seven a step), and learns of each step within
-    a few ms of it landing, not up to half a gap late. (On a store answering in a millisecond or
-    two, as a local one does: at S3's 25 ms a read, fewer fit in a gap either way.)"""
+    its reader sleeps until the step is due at the pace the last ones arrived, and it stops
+    reading once it has the step, so it reads the log about three times a step (the read ahead
+    after a step, one too early, one that finds it), not once for each doubling of the poll
+    interval from `poll_min` and twice more to confirm the tail after finding the step (seven a
+    step), and learns of each step within a few ms of it landing, not up to half a gap late. (On a store answering in a millisecond or two, as a local
+    one does: at S3's 25 ms a read, fewer fit in a gap either way.)"""
     bucket = SimulatedS3(rng=random.Random(5), latency={"put": (0.001, 0.003), "get": (0.0005, 0.002)})
     admin = bucket.client("admin")
     known: dict[int, float] = {}
@@ -913,11 +912,10 @@ def test_a_reader_at_the_tail_of_a_steady_stream_reads_the_log_about_three_times
     lags = sorted(t - bucket.created[log_key(v)] for v, t in known.items() if window[0] <= t <= window[-1])
     requests = counted[1] - counted[0]
     log_gets = sum(c for (who, _, area), c in requests.items() if who == "reader" and area == "_lakestream/log/")
-    # Measured: 3.2 reads a step, lag p50 6 ms, max 18 ms (3.5 before the read ahead after a step
-    # at the tail waited for the next to be due); before (polling from `poll_min` at each
+    # Measured: 3.8 reads a step, lag p50 5 ms, max 16 ms; before (polling from `poll_min` at each
     # wait, and confirming the tail after each step found): 7.2 reads a step, p50 17 ms, max 81 ms.
     assert len(lags) >= 90, len(lags)
-    assert log_gets / len(lags) <= 3.5, (log_gets, len(lags))
+    assert log_gets / len(lags) <= 4.0, (log_gets, len(lags))
     assert lags[len(lags) // 2] <= 0.01 and lags[-1] <= 0.05, (lags[len(lags) // 2], lags[-5:])
 
 
