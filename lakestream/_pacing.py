@@ -303,6 +303,15 @@ class StepPace:
         gap = self.gap(step)
         return self._arrivals[-1][1] + self.wake * gap if gap else 0.0
 
+    def delay(self, step: int, empty: int, now: float, waited: float, least: float, most: float) -> float:
+        """Seconds until the next look for `step`, after `empty` looks in a row found the log
+        ends before it (1: the first; `waited` seconds into the wait): after the first, until it
+        is due; after each later one, `least` doubling up to `longest`; within [least, most]
+        either way. With no pace known the first is `least` and the doubling unbounded."""
+        if empty <= 1:
+            return min(max(least, self.due(step) - now), most)
+        return min(least * 2.0 ** min(empty - 2, 30), max(least, self.longest(step, waited)), most)
+
     def longest(self, step: int, waited: float) -> float:
         """The longest wait between looks for `step` once it is past due, `waited` seconds into
         its wait: PACE_LATE of its expected gap, or an eighth of the wait beyond a second,

@@ -304,30 +304,27 @@ class Reader:
         clock = self.manifest.clock
         started = clock()
         deadline = math.inf if timeout is None else started + timeout
-        interval = self.poll_min
-        waited = False
+        empty = 0  # looks in a row that found the log ends before the step (after the first, 1 again once it moved)
         while True:
             entry = self._entry(step)
             if entry is not None:
-                if waited:
+                if empty:
                     self._pace.arrived(step, clock())
                 return entry
             applied = await self.manifest.follow(enough=lambda: self.state.step(step) is not None)
             if check is not None:
                 check()
             if applied:
-                interval = self.poll_min
+                empty = min(empty, 1)
                 continue
             left = deadline - clock()
             if left <= 0:
                 raise TimeoutError(f"{self.url}: step {step} not committed within {timeout} s")
-            if not waited:  # the log ends before it: look again when it is due at the stream's pace
-                waited = True
-                await anyio.sleep(min(max(interval, self._pace.due(step) - clock()), self.poll_max, left))
-                continue
-            longest = max(self.poll_min, self._pace.longest(step, clock() - started))
-            await anyio.sleep(min(interval, longest, left))
-            interval = min(interval * 2, self.poll_max)
+            empty += 1  # the first: look again when it is due at the stream's pace
+            now = clock()
+            await anyio.sleep(
+                min(self._pace.delay(step, empty, now, now - started, self.poll_min, self.poll_max), left)
+            )
 
     async def wait_for_step_or_end(self, step: int, *, check: Callable[[], None] | None = None) -> Step | None:
         """The manifest entry of `step`, waiting until it is committed; None once the stream is

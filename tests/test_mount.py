@@ -647,7 +647,8 @@ def test_while_no_request_waits_for_a_step_the_log_is_read_at_most_20_times_a_se
     async def delays(waiters: int) -> list[float]:
         async with lakestream.open_reader(url, None, prefetch=0) as reader:
             fs = LakeFS(reader, None, poll_interval=(0.002, 0.25))
-            fs._waiters = waiters
+            if waiters:
+                fs._waiting[0] = waiters  # a lookup waits for step 0
             return [fs.follow_delay(u) for u in (0.0, 0.5, 1.5, 3600.0)]
 
     assert POLL_UNAWAITED == 0.05

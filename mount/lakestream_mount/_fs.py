@@ -486,7 +486,6 @@ class LakeFS(pyfuse3.Operations):
         self._closed_after = reader.state.closed_after
         self.follow_error: str | None = None
         self.closing = anyio.Event()
-        self._waiters = 0
         self._waiting: Counter[int] = Counter()  # steps lookups wait for, and how many wait for each
         self._wait_started = 0.0  # when the newest wait for a step started
         self._pace = StepPace()  # when the steps lookups waited for arrived
@@ -500,6 +499,11 @@ class LakeFS(pyfuse3.Operations):
     @property
     def state(self) -> lakestream.State:
         return self.reader.state
+
+    @property
+    def _waiters(self) -> int:
+        """Lookups waiting for a step to be committed."""
+        return sum(self._waiting.values())
 
     @property
     def ranks(self) -> list[int]:
@@ -603,13 +607,9 @@ class LakeFS(pyfuse3.Operations):
         if not self._waiters:
             return max(self.poll_delay(unchanged), POLL_UNAWAITED)
         step = self.state.head + 1
-        due = self._pace.due(step)
-        if not due:
+        if not self._pace.gap(step):
             return self.poll_delay(unchanged)
-        if self._empty <= 1:
-            return min(max(self.poll_min, due - self.clock()), self.poll_max)
-        doubled = self.poll_min * 2.0 ** min(self._empty - 2, 30)
-        return min(doubled, max(self.poll_min, self._pace.longest(step, unchanged)), self.poll_max)
+        return self._pace.delay(step, max(self._empty, 1), self.clock(), unchanged, self.poll_min, self.poll_max)
 
     def _applied(self) -> None:
         """After the manifest moved: forget what a rewind or reclamation made stale, wake waiters, prefetch."""
@@ -707,7 +707,6 @@ class LakeFS(pyfuse3.Operations):
         mount is shutting down. EINTR once the `caller` thread has a signal pending."""
         started = self.clock()
         deadline = started + self.wait
-        self._waiters += 1
         self._waiting[step] += 1
         waited = False
         try:
@@ -726,7 +725,6 @@ class LakeFS(pyfuse3.Operations):
                 with anyio.move_on_after(min(left, INTERRUPT_POLL) if caller > 0 else left):
                     await changed.wait()
         finally:
-            self._waiters -= 1
             self._waiting[step] -= 1
             if not self._waiting[step]:
                 del self._waiting[step]
