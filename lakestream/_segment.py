@@ -198,6 +198,20 @@ def _plain_name(name: object, allow_dot: bool) -> bool:
     )  # fmt: skip
 
 
+def _plain_keys(keys: list[object]) -> bool:
+    """True if every one of `keys` is plain as `_plain_name(key, allow_dot=False)` says, none is
+    reserved and none appears twice: all at once, in C (one join and a few scans, not a call a
+    key), for the keys of a slice's header."""
+    if not all(type(k) is str for k in keys):
+        return False
+    joined = "\0".join(keys)  # type: ignore[arg-type]  # all str: checked above
+    return (
+        joined.isascii() and joined.count("\0") == len(keys) - 1 and "/" not in joined and "." not in joined
+        and (not keys or (min(map(len, keys)) > 0 and max(map(len, keys)) <= 255))  # type: ignore[arg-type]
+        and RESERVED_KEYS.isdisjoint(keys) and len(set(keys)) == len(keys)
+    )  # fmt: skip
+
+
 def validate_name(name: object, what: str | Callable[[], str], *, allow_dot: bool) -> str:
     """A key or field name that is safe as part of a file name, or InvalidSample naming `what`
     (or what it returns: wording built only for an error)."""
@@ -469,20 +483,11 @@ def parse_slice(data: Any, where: str = "rank slice") -> SliceIndex:
         refs: list[tuple[str, str, str, int, int]] = []
         rows = {name: b.row_bytes for name, b in blocks.items()}
         block_names = blocks.keys()
-        if not all(type(e) is list and len(e) == 2 and type(e[1]) is list and e[1] for e in entries):
-            entry = next(
-                e for e in entries if not (isinstance(e, list) and len(e) == 2 and isinstance(e[1], list) and e[1])
-            )
-            raise ValueError(f"bad sample entry {entry!r:.80}")
-        # The keys at once, in C: plain (ASCII, 1-255 characters, no '/', NUL or '.'), none
-        # reserved, none twice. Any other slice's keys get the full check and its wording below.
-        keys = [e[0] for e in entries]
-        joined = "\0".join(keys) if all(type(k) is str for k in keys) else None
-        plain_keys = (
-            joined is not None and joined.isascii() and joined.count("\0") == len(keys) - 1 and "/" not in joined
-            and "." not in joined and (not keys or (min(map(len, keys)) > 0 and max(map(len, keys)) <= 255))
-            and RESERVED_KEYS.isdisjoint(keys) and len(set(keys)) == len(keys)
-        )  # fmt: skip
+        bad = next((e for e in entries if not (type(e) is list and len(e) == 2 and type(e[1]) is list and e[1])), None)
+        if bad is not None:
+            raise ValueError(f"bad sample entry {bad!r:.80}")
+        # Any other slice's keys get the full check, and its wording, name by name below.
+        plain_keys = _plain_keys([e[0] for e in entries])
         seen: set[str] = set()
         plain_names: set[str] = set()  # field names found plain in this slice (most recur in every sample)
         for i, (key, fields) in enumerate(entries):
