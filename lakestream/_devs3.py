@@ -112,14 +112,14 @@ class S3Server:
         and then bound by the server, so another process may take one in between (an outgoing
         connection takes ports from the same range): the server then exits at once, and is
         started again on fresh ports, up to PORT_ATTEMPTS times in all."""
-        for attempt in range(1, PORT_ATTEMPTS + 1):
+        for _ in range(PORT_ATTEMPTS - 1):
             try:
                 return self._start(timeout)
             except _PortTaken:
-                if self._port or attempt == PORT_ATTEMPTS:
+                if self._port:  # the caller's port: another start would take it no better
                     raise
                 self.dir.mkdir(parents=True, exist_ok=True)  # `stop` removed a temporary one
-        raise AssertionError("unreachable")
+        return self._start(timeout)
 
     def _start(self, timeout: float) -> S3Server:
         m, mg, v, vg, f, fg, s3, s3g = free_ports(8)
