@@ -50,10 +50,14 @@ from ._tasks import cancel_task_group, enter_task_group, run_sync
 
 __all__ = ["RankBatch", "RawSlice", "Reader"]
 
-# Seconds between puts of the consumption mark, at most (while it moves): back-pressure holds the
-# head `max_steps_ahead` steps past it, so its age costs a fast trainer steps (at 30 steps/s, 0.5 s
-# is 15 of 32); ten small blind PUTs a second per job are nothing against a prefix's 3,500.
+# Seconds between puts of the consumption mark while it moves, on a stream with back-pressure:
+# producers are held `max_steps_ahead` steps past it, so its age costs a fast trainer steps (at 30
+# steps/s, 0.5 s is 15 of 32; a producer's own view of it is up to half a second old as well).
+# Without back-pressure the mark only tells `lakestream job` and a rewind where the trainer is, and
+# is put every PUBLISH_IDLE: a trainer at 10 steps/s saves nine PUTs a second, which on a store that
+# serves its producers too cost them as much CPU as the trainer.
 PUBLISH_EVERY = 0.1
+PUBLISH_IDLE = 1.0
 
 log = logging.getLogger("lakestream.reader")
 
@@ -212,22 +216,31 @@ class Reader:
         return self
 
     async def _publish(self) -> None:
-        """Publish the consumption mark every PUBLISH_EVERY seconds (start to start) while it moves (one small
-        blind PUT; a failure is retried at the next turn, never fatal)."""
+        """Publish the consumption mark while it moves (one small blind PUT; a failure is retried at the
+        next turn, never fatal): every PUBLISH_EVERY seconds (start to start) on a stream with
+        back-pressure, else every PUBLISH_IDLE; the first at once."""
         clock = self.manifest.clock
+        last = -math.inf
         while True:
             started = clock()
-            await self._publish_once()
+            config = self.manifest.state.config
+            every = PUBLISH_EVERY if config is not None and config.max_steps_ahead else PUBLISH_IDLE
+            if started - last >= every - PUBLISH_EVERY / 2 and await self._publish_once():
+                last = started
             await anyio.sleep(max(0.0, started + PUBLISH_EVERY - clock()))
 
-    async def _publish_once(self) -> None:
-        if self.consumed != self._published:
-            step = self.consumed
-            try:
-                await self.manifest.publish_consumed(step, time.time(), self.job)
-                self._published = step
-            except Exception as e:
-                log.debug("%s: publishing the consumption mark failed: %s", self.url, e)
+    async def _publish_once(self) -> bool:
+        """Put the mark if it moved since it was last put; whether it was."""
+        if self.consumed == self._published:
+            return False
+        step = self.consumed
+        try:
+            await self.manifest.publish_consumed(step, time.time(), self.job)
+        except Exception as e:
+            log.debug("%s: publishing the consumption mark failed: %s", self.url, e)
+            return False
+        self._published = step
+        return True
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()

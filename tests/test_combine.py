@@ -25,6 +25,7 @@ from lakestream import _producer as producer_module
 from lakestream._combine import Combiner
 from lakestream._layout import intent_key, log_key
 from lakestream._manifest import Manifest
+from lakestream._reader import PUBLISH_EVERY, PUBLISH_IDLE
 from lakestream._records import (
     CheckpointRecord,
     CommitRecord,
@@ -959,6 +960,44 @@ def test_a_consumer_at_its_own_pace_is_never_held_back_by_the_reader_pacing_its_
     assert rate >= 0.95 * expected, (rate, expected)
     assert produce_every > 0.1 or len(stalls) >= 30, len(stalls)  # behind or level: most steps were there
     assert max(stalls, default=0.0) <= 0.02, sorted(stalls)[-5:]  # and were read at once
+
+
+@pytest.mark.parametrize("limit", [0, 8])
+def test_a_trainer_puts_its_mark_every_tenth_of_a_second_only_under_back_pressure(
+    monkeypatch: pytest.MonkeyPatch, limit: int
+) -> None:
+    """A trainer taking a step every 0.1 s from a producer committing one every 0.05 s. Without
+    back-pressure (`max_steps_ahead` 0) nothing waits for its mark: it is put about once a second,
+    not once a step. With `max_steps_ahead` 8 the producer is held 8 steps past the mark as it last
+    read it (up to half a second ago), and a mark put once a second would leave the trainer waiting
+    for steps: it is put every 0.1 s, and the trainer keeps its pace."""
+    bucket = SimulatedS3(rng=random.Random(11), latency={"put": (0.001, 0.003), "get": (0.0005, 0.002)})
+    admin = bucket.client("admin")
+    taken: list[float] = []
+    counted: list[Counter[tuple[str, str, str]]] = []
+
+    async def main() -> None:
+        now = anyio.current_time
+        await lakestream.create(admin, world_size=1, global_batch=1, max_steps_ahead=limit)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(commit_one_a_step, bucket, lambda i: 0.05)
+            async with lakestream.open_reader(bucket.client("reader"), 0, 1, clock=now) as r:
+                async for b in r.steps(0, 120):
+                    taken.append(now())
+                    if b.step in (20, 119):
+                        counted.append(bucket.requests.copy())
+                    await anyio.sleep(0.1)
+            tg.cancel_scope.cancel()
+
+    simulate(monkeypatch, main)
+    seconds = taken[119] - taken[20]
+    rate = 99 / seconds
+    marks = (counted[1] - counted[0])[("reader", "put", "_lakestream/")]
+    assert rate >= 9.5, rate
+    if limit:
+        assert marks >= 0.8 * seconds / PUBLISH_EVERY, (marks, seconds)
+    else:
+        assert marks <= seconds / PUBLISH_IDLE + 2, (marks, seconds)
 
 
 async def test_a_combiner_at_the_cap_reads_the_mark_about_once_a_step_the_trainer_takes() -> None:
