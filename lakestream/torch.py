@@ -584,7 +584,8 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
     `closed_after`: with `stop=None` the iteration ends there; reading such a step raises
     StepUnavailable),
     reads it for the keys and files in put order, and decodes every `<key>.<field>` file
-    with `decode_file` (exact with `_meta.json`'s "types", else guessed from the extension).
+    with `decode_file` (exact with `_meta.json`'s "types", else guessed from the extension), but
+    for short text and JSON fields, whose values `_meta.json` holds ("values").
     With `collate`, a field the mount serves as `_batch/<field>.npy` (`_meta.json`'s "batch": the
     producer stored it as one block) is read with one open and one read, and any other field whose
     files are `.npy` of one dtype and shape for every sample straight into one array (`read_columns`). Options and `state_dict` semantics as for `StreamDataset`.
@@ -657,12 +658,11 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
         """This rank's samples of `step`, waiting for it to be committed."""
         d, meta = self._open_step(step)
         types: dict[str, str] = meta.get("types") or {}
+        values = _values(meta)
         by_key: dict[str, dict[str, Any]] = {key: {"__key__": key} for key in meta["keys"]}
         for name in meta["files"]:
             key, _, field = name.partition(".")
-            with open(os.path.join(d, name), "rb") as f:
-                data = f.read()
-            by_key[key][field] = decode_file(name, data, types.get(name))
+            by_key[key][field] = values[name] if name in values else _read_file(d, name, types.get(name))
         return list(by_key.values())
 
     def read_columns(self, step: int) -> dict[str, Any]:
@@ -671,6 +671,7 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
         files straight into one `(n, *shape)` array."""
         d, meta = self._open_step(step)
         types: dict[str, str] = meta.get("types") or {}
+        values = _values(meta)
         keys: list[str] = meta["keys"]
         batch: dict[str, int] = meta.get("batch") or {}  # `_batch/<field>.npy` -> size
         files: dict[str, dict[str, str]] = {}  # field -> key -> file name, fields in put order
@@ -693,9 +694,10 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
                     name = names.get(key)
                     if name is None:
                         column.append(None)
-                        continue
-                    with open(os.path.join(d, name), "rb") as f:
-                        column.append(_numpy(decode_file(name, f.read(), types.get(name))))
+                    elif name in values:
+                        column.append(values[name])
+                    else:
+                        column.append(_numpy(_read_file(d, name, types.get(name))))
             columns[field] = column
         return columns
 
@@ -734,6 +736,17 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
     def __repr__(self) -> str:
         of = f", job={self.job!r}" if self.job != "main" else ""
         return f"MountDataset({self.mountpoint!r}, rank={self.rank}{of}, next_step={self._next_step}, stop={self.stop})"
+
+
+def _values(meta: dict[str, Any]) -> dict[str, Any]:
+    """`_meta.json`'s "values": the short text and JSON fields, as their files would decode."""
+    values = meta.get("values")
+    return values if isinstance(values, dict) else {}
+
+
+def _read_file(d: str, name: str, tag: str | None) -> Any:
+    with open(os.path.join(d, name), "rb") as f:
+        return decode_file(name, f.read(), tag)
 
 
 def _numpy(value: Any) -> Any:

@@ -40,8 +40,9 @@ from simutil import commit_one_a_step, simulate
 import lakestream
 from lakestream._layout import log_key
 from lakestream._manifest import Manifest
+from lakestream._segment import decode_value
 from lakestream.testing import SimulatedS3
-from lakestream_mount._fs import signal_pending
+from lakestream_mount._fs import INLINE_MAX, signal_pending
 from lakestream_mount._mounts import mounts_at
 
 if not os.path.exists("/dev/fuse") or not os.access("/dev/fuse", os.R_OK | os.W_OK):
@@ -123,6 +124,14 @@ def check_meta(meta: dict[str, Any], rank: int, step: int, files: Files) -> None
     assert meta["samples"] == len(meta["keys"])
     if "types" in meta:
         assert meta["types"].keys() == meta["files"].keys()
+    for name, data in files.items():  # short text and JSON: their values too, as their files decode
+        tag = meta.get("types", {}).get(name)
+        try:
+            value = decode_value(tag, data) if tag in ("j", "s") and len(data) <= INLINE_MAX else None
+        except ValueError:
+            value = None
+        assert meta.get("values", {}).get(name) == value, name
+    assert set(meta.get("values", {})) <= set(files)
 
 
 def errno_of(fn: Callable[[], object]) -> int | None:

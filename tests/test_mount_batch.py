@@ -55,6 +55,7 @@ def sample(i: int) -> dict[str, Any]:
         "emb": rng.standard_normal(3).astype(">f4"),  # a block, big-endian
         "vec": np.arange(i % 3 + 1, dtype=np.float32),  # shapes differ: not a block
         "txt": f"sample {i}",
+        "cls": i % 7,  # JSON
     }
 
 
@@ -216,14 +217,18 @@ def test_mount_dataset_collate_reads_each_block_field_with_one_open(stream_url: 
                 assert isinstance(got[field], torch.Tensor) and got[field].dtype == want[field].dtype
                 assert torch.equal(got[field], want[field])
             assert all(torch.equal(x, y) for x, y in zip(got["vec"], want["vec"]))
-            assert got["txt"] == want["txt"]
+            assert got["txt"] == want["txt"] and got["cls"] == want["cls"]
             got["img"][0, 0, 0, 0] += 1  # writable, like StreamDataset's
         steps = {p for p in opened if "_batch" in p}
         assert len(steps) == 9 and all(
             re.fullmatch(rf"rank-{rank}/\d{{12}}/_batch/(img|lbl|emb)\.npy", p) for p in steps
         )
         assert not [p for p in opened if re.search(r"\.(img|lbl|emb)$", p)]  # no sample's file of a block field
+        assert not [p for p in opened if re.search(r"\.(txt|cls)$", p)]  # short text and JSON: in _meta.json
         opened.clear()
-    # without `_batch` (collate=False) the items are as before
+    # without `_batch` (collate=False) the items are as before, short text and JSON from _meta.json too
     items = list(MountDataset(m.mountpoint, 0, 2, stop=1))
     assert len(items) == 1 and len(items[0]["samples"]) == 4 and "img" in items[0]["samples"][0]
+    direct = list(StreamDataset(url, 0, 2, stop=1))
+    assert [(s["txt"], s["cls"]) for s in items[0]["samples"]] == [(s["txt"], s["cls"]) for s in direct[0]["samples"]]
+    assert not [p for p in opened if re.search(r"\.(txt|cls)$", p)]

@@ -109,6 +109,7 @@ INTERRUPT_POLL = 0.5  # seconds between looks at whether a waiting request's cal
 POLL_FAST_FOR = 1.0  # seconds the log is read every `poll_min` after it moved or a wait started
 POLL_UNAWAITED = 0.05  # seconds at least between reads of the log while no request waits for a step
 KEEP_BEHIND = 8  # steps of a rank kept cached below the newest one looked up (DataLoader workers lag)
+INLINE_MAX = 256  # bytes: a text or JSON field at most this long has its value in `_meta.json` too
 STATUS_NAME = layout.STATUS_NAME.encode()
 META_NAME = layout.META_NAME.encode()
 BATCH_NAME = b"_batch"
@@ -358,6 +359,7 @@ class Slice:
             for f in refs
             if f.field == layout.SOURCE_FIELD and f.tag == "s" and f.length <= 256
         }
+        values = _inline_values(raw.data, refs)
         meta = orjson.dumps(
             {
                 "step": e.step, "rank": raw.rank, "version": e.version, "producer": e.producer,
@@ -369,10 +371,27 @@ class Slice:
                 "stored_world_size": len(e.ranks),  # the slices it was sealed as (re-sliced when it differs)
             }
             | ({"sources": sources} if sources else {})
+            | ({"values": values} if values else {})
             | ({"batch": {n.decode(): files[i].size for n, i in batch.items()}} if batch else {}),
             option=orjson.OPT_INDENT_2,
         )  # fmt: skip
         return cls(e, raw.rank, memoryview(raw.data), files, names, batch, meta)
+
+
+def _inline_values(data: Any, refs: list[lakestream.FieldRef]) -> dict[str, Any]:
+    """`_meta.json`'s "values": each short text or JSON field's value, so that a loader takes a
+    class label or a caption with the step's `_meta.json` rather than with an open and a read of
+    its own (16 of them a step for a label beside a `_batch` image). A field whose bytes do not
+    decode is left out: its file says so when read."""
+    values: dict[str, Any] = {}
+    for f in refs:
+        if f.tag in ("j", "s") and f.length <= INLINE_MAX:
+            raw = bytes(data[f.offset : f.offset + f.length])
+            try:
+                values[f"{f.key}.{f.field}"] = orjson.loads(raw) if f.tag == "j" else raw.decode()
+            except ValueError:  # orjson.JSONDecodeError and UnicodeDecodeError are ValueErrors
+                pass
+    return values
 
 
 @dataclass(slots=True)
