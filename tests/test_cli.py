@@ -736,6 +736,15 @@ def test_an_exception_group_escaping_a_command_is_one_line(monkeypatch: pytest.M
     assert err.count("\n") == 1 and "internal error: KeyError" in err and "\x1b" not in err, err
 
 
+def test_an_unknown_s3_checksum_is_one_line() -> None:
+    env = {"LAKESTREAM_S3_CLIENT": "obstore", "LAKESTREAM_S3_CHECKSUM": "md5"}
+    r = run_cli("status", "s3://bucket/stream", env=env, check=False)
+    assert r.returncode == 1
+    assert (
+        r.stderr.strip() == "lakestream status: error: LAKESTREAM_S3_CHECKSUM='md5': expected one of crc64nvme, sha256"
+    )
+
+
 def test_an_unknown_s3_client_is_one_line() -> None:
     r = run_cli("status", "s3://bucket/stream", env={"LAKESTREAM_S3_CLIENT": "boto3"}, check=False)
     assert r.returncode == 1

@@ -5,7 +5,9 @@ millisecond latencies, on the real clock)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 import os
 import re
 import socket
@@ -498,7 +500,7 @@ async def test_s3_an_upload_cut_off_after_its_headers_leaves_no_object(
 ) -> None:
     """A producer killed (or a task cancelled) between the request's headers and its body: the
     server must not store an empty object. SeaweedFS does unless the request carries a checksum
-    it can check: every put carries `x-amz-checksum-crc32` (aiobotocore) or `-sha256` (obstore).
+    it can check: every put carries `x-amz-checksum-crc32` (aiobotocore) or `-crc64nvme` (obstore).
     The request each client sends is caught by a stand-in server, then its headers alone are
     sent to the real one and the connection is closed."""
     with Answering(b"400 Bad Request", b"Caught") as catcher:
@@ -506,7 +508,9 @@ async def test_s3_an_upload_cut_off_after_its_headers_leaves_no_object(
             with pytest.raises(StoreError):
                 await getattr(store, op)("cut/record", b'{"kind": "commit"}' * 50)
     (head,) = catcher.headers
-    assert re.search(rb"(?im)^x-amz-checksum-(crc32|sha256):", head)
+    assert re.search(
+        rb"(?im)^x-amz-checksum-crc32:" if client == "aiobotocore" else rb"(?im)^x-amz-checksum-crc64nvme:", head
+    )
     head = b"\r\n".join(line for line in head.split(b"\r\n") if not line.lower().startswith(b"expect:"))
     with socket.create_connection(("127.0.0.1", int(s3_server.endpoint_url.rsplit(":", 1)[1])), timeout=5) as s:
         s.sendall(head + b"\r\n\r\n")
@@ -515,6 +519,55 @@ async def test_s3_an_upload_cut_off_after_its_headers_leaves_no_object(
     async with open_store(s3_url) as store:
         with pytest.raises(ObjectNotFound):
             await store.get("cut/record")
+
+
+def crc64nvme(data: bytes) -> int:
+    """CRC-64/NVME (reflected polynomial 0x9A6C9329AC4BC9B5, all ones in and out), bit by bit."""
+    crc = 0xFFFFFFFFFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ 0x9A6C9329AC4BC9B5 if crc & 1 else crc >> 1
+    return crc ^ 0xFFFFFFFFFFFFFFFF
+
+
+def test_crc64nvme_of_the_standard_check_string() -> None:
+    assert crc64nvme(b"123456789") == 0xAE8B14860A799888
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("checksum", ["crc64nvme", "sha256", None])
+async def test_s3_obstore_puts_carry_a_checksum_of_their_body_the_server_keeps(
+    s3_server: S3Server, s3_url: str, monkeypatch: pytest.MonkeyPatch, checksum: str | None
+) -> None:
+    """obstore's PUTs send `x-amz-checksum-crc64nvme` over an unsigned payload by default (the CRC
+    costs a fraction of the SHA-256 a signed payload needs), `x-amz-checksum-sha256` with
+    `LAKESTREAM_S3_CHECKSUM=sha256`; the server checks it against the body (a wrong one is
+    BadDigest) and keeps it: the checksum it reports is the body's, computed here."""
+    monkeypatch.setenv("LAKESTREAM_S3_CLIENT", "obstore")
+    if checksum is None:
+        monkeypatch.delenv("LAKESTREAM_S3_CHECKSUM", raising=False)
+    else:
+        monkeypatch.setenv("LAKESTREAM_S3_CHECKSUM", checksum.upper())
+    body = bytes(range(256)) * 41 + b"tail"
+    async with open_store(s3_url) as store:
+        await store.put("sum/put", body)
+        assert await store.put_if_absent("sum/create", body)
+    bucket, _, prefix = s3_url.removeprefix("s3://").partition("/")
+    client = s3_server._client()
+    for key in ("sum/put", "sum/create"):
+        head = client.head_object(Bucket=bucket, Key=f"{prefix}/{key}", ChecksumMode="ENABLED")
+        if checksum == "sha256":
+            assert head["ChecksumSHA256"] == base64.b64encode(hashlib.sha256(body).digest()).decode()
+        else:
+            assert head["ChecksumCRC64NVME"] == base64.b64encode(crc64nvme(body).to_bytes(8, "big")).decode()
+
+
+def test_s3_an_unknown_checksum_is_refused_when_the_store_opens(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LAKESTREAM_S3_CLIENT", "obstore")
+    monkeypatch.setenv("LAKESTREAM_S3_CHECKSUM", "md5")
+    with pytest.raises(ValueError, match=r"LAKESTREAM_S3_CHECKSUM='md5': expected one of crc64nvme, sha256"):
+        open_store("s3://b/p")
 
 
 EXITER = """

@@ -6,9 +6,13 @@ AWS_DEFAULT_REGION, default 'us-east-1'), each overridable by keyword; what the 
 give is looked up as botocore does (AWS_PROFILE, the config and credentials files, SSO, instance and
 container metadata) when botocore is installed, so both S3 clients find the same account. A plain
 `http://` endpoint is allowed. Addressing is path-style, so any S3-compatible server works.
-`put_if_absent` is a conditional PUT (`If-None-Match: *`). Every PUT carries `x-amz-checksum-sha256`
-(the signature's payload hash, so it costs nothing more), which the server checks before the object
-exists: an upload cut off after its headers is never stored as an empty object.
+`put_if_absent` is a conditional PUT (`If-None-Match: *`). Every PUT carries a checksum of its body,
+which the server checks before the object exists: a body damaged on the way is refused (BadDigest)
+and retried, and an upload cut off after its headers is never stored as an empty object. By default
+`x-amz-checksum-crc64nvme` over an unsigned payload (the header itself is signed): a signed payload
+needs the body's SHA-256, 1.6 ms of CPU a 2.35 MB segment against about 0.2 for the CRC.
+`LAKESTREAM_S3_CHECKSUM=sha256` signs the payload and sends `x-amz-checksum-sha256` (the same
+hash, so it costs nothing more), for a server that does not know CRC64NVME.
 
 Retries are ours alone (obstore's are off), as `_s3base` describes. obstore reports an S3 error
 response as text; `_response` reads its HTTP status and S3 code out of it and `_translate` turns
@@ -125,11 +129,25 @@ def _botocore_session() -> Any:
     return botocore.session.get_session()
 
 
+CHECKSUMS = ("crc64nvme", "sha256")
+
+
+def _checksum_config() -> S3Config:
+    """How PUTs prove their body (`LAKESTREAM_S3_CHECKSUM`, default crc64nvme). ValueError if unknown."""
+    name = os.environ.get("LAKESTREAM_S3_CHECKSUM", "").strip().lower() or CHECKSUMS[0]
+    if name == "crc64nvme":
+        return {"checksum_algorithm": "crc64nvme", "unsigned_payload": True}
+    if name == "sha256":
+        return {"checksum_algorithm": "sha256"}
+    raise ValueError(f"LAKESTREAM_S3_CHECKSUM={name!r}: expected one of {', '.join(CHECKSUMS)}")
+
+
 class ObstoreS3Store(S3Base):
     """An object store rooted at `s3://bucket/prefix` on obstore; keys are relative to the prefix.
     Its options are `S3Base`'s (`max_pool_connections`: the idle connections kept)."""
 
     def _configure(self, *, max_pool_connections: int, connect_timeout: float, read_timeout: float) -> None:
+        self._checksum = _checksum_config()  # read when the store is opened, so that a bad value fails there
         self._client_options: ClientConfig = {
             "connect_timeout": timedelta(seconds=connect_timeout),
             "read_timeout": timedelta(seconds=read_timeout),
@@ -155,7 +173,7 @@ class ObstoreS3Store(S3Base):
     def _new_client(self) -> Any:
         env = os.environ
         session = None
-        config: S3Config = {"virtual_hosted_style_request": False, "checksum_algorithm": "sha256"}
+        config: S3Config = {"virtual_hosted_style_request": False, **self._checksum}
         endpoint = self._endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
         region = self._region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
         key_id, secret, token = self._keys
