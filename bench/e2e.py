@@ -607,13 +607,15 @@ def transform_probe(size: int, shares: list[Path], n: int = 24) -> float:
 
 
 def fault_window(run: Run) -> tuple[list[float], list[float]]:
-    """The stalls of steps that asked from the kill to 5 s after the restart, and the others."""
+    """The stalls that overlap the time from the kill to 5 s after the restart (a step asked for
+    before the kill and waited for through it among them), and the others."""
     t = run.trainers[0]
     first = run.extra["launched"] + t["ttfb_s"]  # wall time of the first batch
     lo = run.extra.get("killed", math.inf) - first
     hi = run.extra.get("restarted", run.extra.get("killed", math.inf)) + 5 - first
-    during = [s for ask, s in zip(t["asks"][1:], t["stalls"][1:]) if lo <= ask <= hi]
-    other = [s for ask, s in zip(t["asks"][1:], t["stalls"][1:]) if not lo <= ask <= hi]
+    during, other = [], []
+    for ask, stall in zip(t["asks"][1:], t["stalls"][1:]):
+        (during if ask <= hi and ask + stall >= lo else other).append(stall)
     return during, other
 
 
