@@ -86,7 +86,7 @@ from lakestream._buffers import pool
 from lakestream._config import LIMITS
 from lakestream._pacing import StepPace
 from lakestream._retry import Backoff  # the library's one backoff policy (same distribution)
-from lakestream._segment import npy_header
+from lakestream._segment import decode_value, npy_header
 from lakestream._tasks import run_sync
 
 from ._mounts import mounts_at
@@ -386,9 +386,8 @@ def _inline_values(data: Any, refs: list[lakestream.FieldRef]) -> dict[str, Any]
     values: dict[str, Any] = {}
     for f in refs:
         if f.tag in ("j", "s") and f.length <= INLINE_MAX:
-            raw = bytes(data[f.offset : f.offset + f.length])
             try:
-                values[f"{f.key}.{f.field}"] = orjson.loads(raw) if f.tag == "j" else raw.decode()
+                values[f"{f.key}.{f.field}"] = decode_value(f.tag, bytes(data[f.offset : f.offset + f.length]))
             except ValueError:  # orjson.JSONDecodeError and UnicodeDecodeError are ValueErrors
                 pass
     return values
