@@ -50,6 +50,9 @@ stream URLs:
   s3://BUCKET/PREFIX      S3 or an S3-compatible store; endpoint and credentials from the standard
                           AWS environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
                           AWS_REGION)
+  az://CONTAINER/PREFIX   Azure Blob Storage; account, credentials and endpoint from the Azure
+                          environment (AZURE_STORAGE_ACCOUNT_NAME, AZURE_STORAGE_ACCOUNT_KEY,
+                          AZURE_STORAGE_ENDPOINT)
   memory://               in this process only (for tests of the API; gone when the command ends)
 """
 
@@ -188,7 +191,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="COMMAND",
         parser_class=_Parser,
     )
-    url_help = "stream URL: file://PATH or PATH, s3://BUCKET/PREFIX, memory://"
+    url_help = "stream URL: file://PATH or PATH, s3://BUCKET/PREFIX, az://CONTAINER/PREFIX, memory://"
 
     p = sub.add_parser("init", help="create a stream (same config again: no-op)", description=(
         "Create a stream with its shape. Running it again with the same config does nothing; another config "

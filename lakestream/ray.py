@@ -35,9 +35,9 @@ __all__ = ["FleetReport", "run_fleet"]
 
 log = logging.getLogger("lakestream.fleet")
 
-#: Environment variables passed on to the actors (with PYTHONPATH): S3 endpoint and credentials,
-#: Hugging Face caches, lakestream's own.
-ENV_PREFIXES = ("AWS_", "HF_", "LAKESTREAM_")
+#: Environment variables passed on to the actors (with PYTHONPATH): S3 and Azure endpoints and
+#: credentials, Hugging Face caches, lakestream's own.
+ENV_PREFIXES = ("AWS_", "AZURE_", "HF_", "LAKESTREAM_")
 
 
 @dataclass
@@ -307,7 +307,7 @@ class _connected:
 def _runtime_env() -> dict[str, Any]:
     """What the actors need of this process's environment: its working directory and PYTHONPATH on their
     PYTHONPATH (so `--map MODULE:FUNCTION` imports there as here, without uploading a working_dir), and
-    the variables named by ENV_PREFIXES (S3 endpoint and credentials)."""
+    the variables named by ENV_PREFIXES (S3 and Azure endpoints and credentials)."""
     env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
     path = [os.getcwd(), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in path if p))

@@ -1,5 +1,6 @@
-"""Shared fixtures. `s3_server` runs a real SeaweedFS S3 server for the session (see s3server.py); with
-pytest-xdist (`-n` in pyproject.toml) each worker is a session of its own, with a server of its own.
+"""Shared fixtures. `s3_server` runs a real SeaweedFS S3 server for the session (see s3server.py), and
+`azurite` a real Azure Blob Storage emulator (see azurite.py); with pytest-xdist (`-n` in pyproject.toml)
+each worker is a session of its own, with servers of its own.
 
 Nothing outlives the run: every process it starts carries LAKESTREAM_TEST_RUN in its environment, and
 a reaper (reaper.py), started first and watching a pipe from the run, ends what is left of them and
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from azurite import Azurite, AzuriteNotFound, find_azurite
 from hypothesis import HealthCheck, settings
 from reaper import RUN_VAR
 from s3server import S3Server, WeedNotFound, find_weed
@@ -104,6 +106,30 @@ def s3_url(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
     return s3_server.new_stream()
 
 
+@pytest.fixture(scope="session")
+def azurite() -> Iterator[Azurite]:
+    """An Azurite blob server for the whole session. Fails (never skips) without `azurite-blob`:
+    the az:// tests need the real emulator."""
+    try:
+        exe, missing = find_azurite(), ""
+    except AzuriteNotFound as e:
+        exe, missing = "", str(e)
+    if missing:
+        pytest.fail(missing, pytrace=False)
+    with Azurite(exe) as server:
+        yield server
+
+
+@pytest.fixture
+def az_url(azurite: Azurite, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh, empty `az://CONTAINER/PREFIX`, with the AZURE_* variables set so `open_store(url)` works."""
+    for name in [n for n in os.environ if n.startswith("AZURE_")]:
+        monkeypatch.delenv(name)
+    for name, value in azurite.env().items():
+        monkeypatch.setenv(name, value)
+    return azurite.new_stream()
+
+
 @pytest.fixture(params=["file", "s3"])
 def stream_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh stream URL, once on `file://` and once on the real SeaweedFS server."""
@@ -111,7 +137,8 @@ def stream_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test that uses the S3 server `s3`, and the longest ones (scheduling.FIRST) `slow`."""
+    """Mark every test that uses the S3 server `s3`, the Azure emulator `azure`, and the longest ones
+    (scheduling.FIRST) `slow`."""
     from scheduling import is_slow
 
     for item in items:
@@ -119,5 +146,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         uses_s3 = callspec is not None and callspec.params.get("stream_url") == "s3"
         if uses_s3 or "s3_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.s3)
+        if "azurite" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.azure)
         if is_slow(item.nodeid):
             item.add_marker(pytest.mark.slow)

@@ -14,6 +14,7 @@ from pathlib import Path
 import anyio
 import numpy as np
 import pytest
+from azurite import Azurite
 from cliutil import (
     LAKESTREAM,
     cli_env,
@@ -142,13 +143,18 @@ def test_output_into_a_closed_pipe_and_a_mistyped_map_are_one_line_or_quiet(tmp_
 # -- produce and read -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["file", pytest.param("s3", marks=pytest.mark.s3)])
+@pytest.mark.parametrize(
+    "backend", ["file", pytest.param("s3", marks=pytest.mark.s3), pytest.param("azure", marks=pytest.mark.azure)]
+)
 def test_produce_then_read_reproduces_every_file(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     if backend == "file":
         url, env = file_url(tmp_path / "stream"), {}
-    else:
+    elif backend == "s3":
         env = request.getfixturevalue("s3_server").env()
         url = request.getfixturevalue("s3_url")
+    else:
+        env = request.getfixturevalue("azurite").env()
+        url = request.getfixturevalue("az_url")
     world, batch = 3, 8
     run_cli("init", url, "--world-size", world, "--global-batch", batch, env=env, check=True)
     src = tmp_path / "src"
@@ -568,7 +574,7 @@ def test_integers_out_of_range_are_usage_errors(produced: tuple[str, dict[str, b
 
 def test_help_lists_defaults_url_forms_and_examples() -> None:
     r = run_cli("--help", check=True, fresh=True)  # the real entry point, as some tests run it
-    for form in ("file://PATH", "s3://BUCKET/PREFIX", "memory://"):
+    for form in ("file://PATH", "s3://BUCKET/PREFIX", "az://CONTAINER/PREFIX", "memory://"):
         assert form in r.stdout, describe(r)
     assert "examples:" in r.stdout and r.stdout.rstrip().splitlines()[-3].strip().startswith("lakestream demo")
     r = run_cli("--version", check=True, fresh=True)
@@ -743,6 +749,14 @@ def test_an_unknown_s3_checksum_is_one_line() -> None:
     assert (
         r.stderr.strip() == "lakestream status: error: LAKESTREAM_S3_CHECKSUM='md5': expected one of crc64nvme, sha256"
     )
+
+
+def test_a_missing_azure_container_is_one_line(azurite: Azurite) -> None:
+    r = run_cli("status", "az://lakestream-no-such-container/s", env=azurite.env(), check=False)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.count("\n") == 1, describe(r)
+    assert r.stderr.startswith("lakestream status: error: ") and "container 'lakestream-no-such-container'" in r.stderr
+    assert "does not exist" in r.stderr and azurite.endpoint_url in r.stderr, describe(r)
 
 
 def test_an_unknown_s3_client_is_one_line() -> None:

@@ -1,6 +1,6 @@
 """One contract for every ObjectStore backend: memory, file, S3 (a real SeaweedFS server) through
-each S3 client (obstore and aiobotocore), and the simulated S3 of `lakestream.testing` (with
-millisecond latencies, on the real clock)."""
+each S3 client (obstore and aiobotocore), Azure Blob Storage (a real Azurite server, on obstore),
+and the simulated S3 of `lakestream.testing` (with millisecond latencies, on the real clock)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from azurite import Azurite
 from s3server import S3Server, free_ports
 
 from lakestream._errors import AccessDenied, BucketNotFound, ObjectNotFound, StoreError, StoreUnavailable
@@ -27,7 +28,13 @@ from lakestream._store import S3_CLIENTS, FileStore, ObjectStore, open_store, s3
 from lakestream.testing import SimulatedS3
 
 REPO = Path(__file__).resolve().parents[1]
-BACKENDS = ["memory", "file", "simulated", *(pytest.param(f"s3-{c}", marks=pytest.mark.s3) for c in S3_CLIENTS)]
+BACKENDS = [
+    "memory",
+    "file",
+    "simulated",
+    *(pytest.param(f"s3-{c}", marks=pytest.mark.s3) for c in S3_CLIENTS),
+    pytest.param("azure", marks=pytest.mark.azure),
+]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -43,6 +50,8 @@ async def store(
         url = "memory://"
     elif request.param == "file":
         url = str(tmp_path / "store")
+    elif request.param == "azure":
+        url = request.getfixturevalue("az_url")
     else:
         monkeypatch.setenv("LAKESTREAM_S3_CLIENT", request.param.removeprefix("s3-"))
         url = request.getfixturevalue("s3_url")
@@ -57,8 +66,8 @@ def client(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     return str(request.param)
 
 
-def is_s3(store: ObjectStore) -> bool:
-    return store.url.startswith("s3://")
+def is_remote(store: ObjectStore) -> bool:
+    return store.url.startswith(("s3://", "az://"))  # a real server over HTTP
 
 
 # -- the contract ---------------------------------------------------------------------------------
@@ -118,7 +127,7 @@ async def test_put_if_absent(store: ObjectStore) -> None:
 
 
 async def test_put_if_absent_race(store: ObjectStore) -> None:
-    rounds = 2 if is_s3(store) else 20  # contended conditional PUTs take seconds on SeaweedFS
+    rounds = 2 if is_remote(store) else 20  # contended conditional PUTs take seconds on SeaweedFS
     for r in range(rounds):
         key = f"race/{r:03d}"
         results = await asyncio.gather(*(store.put_if_absent(key, f"writer {i}".encode()) for i in range(8)))
@@ -457,6 +466,76 @@ async def test_s3_throttling_is_retried_then_reported(monkeypatch: pytest.Monkey
             with pytest.raises(StoreError, match="NotImplemented") as error:
                 await store.put("k", b"v")
             assert not isinstance(error.value, StoreUnavailable) and server.requests == 1
+
+
+# -- Azure Blob Storage (az://, a real Azurite server) ---------------------------------------------
+
+
+async def test_azure_url_and_options(azurite: Azurite, az_url: str) -> None:
+    container = az_url.split("/")[2]
+    async with open_store(az_url) as store:
+        assert store.url == az_url and azurite.endpoint_url in repr(store)
+        await store.put("k", b"v")
+        prefix = az_url.split("/", 3)[3]
+    async with open_store(f"az://{container}") as whole_container:
+        assert await whole_container.list(prefix[:-1]) == [f"{prefix}/k"]
+    for bad in ("az://", "az:///p", "az://a/b/../c"):
+        with pytest.raises(ValueError):
+            async with open_store(bad) as store:
+                await store.get("k")
+
+
+async def test_azure_missing_container(azurite: Azurite, az_url: str) -> None:
+    async with open_store("az://lakestream-no-such-container/p") as store:
+        for call in every_call(store):
+            with pytest.raises(BucketNotFound) as info:
+                await call()
+            assert isinstance(info.value, FileNotFoundError)
+            assert azurite.endpoint_url in str(info.value) and "lakestream-no-such-container" in str(info.value)
+
+
+async def test_azure_bad_key_and_no_account(azurite: Azurite, az_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    wrong = base64.b64encode(b"w" * 64).decode()
+    async with open_store(az_url, account_key=wrong) as store:
+        for call in (lambda: store.get("k"), lambda: store.put("k", b"v"), lambda: store.list("")):
+            with pytest.raises(AccessDenied) as info:
+                await call()
+            assert isinstance(info.value, PermissionError)
+            assert azurite.endpoint_url in str(info.value) and az_url.split("/")[2] in str(info.value)
+            assert "AZURE_STORAGE_ACCOUNT_KEY" in str(info.value)
+    monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_NAME")
+    async with open_store(az_url) as store:
+        with pytest.raises(AccessDenied, match="AZURE_STORAGE_ACCOUNT_NAME"):
+            await store.get("k")
+
+
+async def test_azure_unreachable_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    (port,) = free_ports(1)
+    endpoint = f"http://127.0.0.1:{port}/devstoreaccount1"
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "devstoreaccount1")
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", base64.b64encode(b"k" * 64).decode())
+    start = time.monotonic()
+    async with open_store("az://some-container/p", endpoint_url=endpoint, retry_timeout=2) as store:
+        with pytest.raises(StoreUnavailable) as info:
+            await store.get("k")
+    assert time.monotonic() - start < 10
+    assert isinstance(info.value, ConnectionError) and info.value.retried
+    assert endpoint in str(info.value) and "some-container" in str(info.value)
+
+
+async def test_azure_server_busy_is_retried_then_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Azure's throttling answer, `503 ServerBusy`, to every request: each call is retried, then
+    raises StoreUnavailable naming the code."""
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "devstoreaccount1")
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", base64.b64encode(b"k" * 64).decode())
+    with Answering(b"503 Server Busy", b"ServerBusy") as server:
+        async with open_store("az://c-busy/p", endpoint_url=server.url, max_attempts=3, retry_timeout=30) as store:
+            for call in every_call(store):
+                before = server.requests
+                with pytest.raises(StoreUnavailable, match="ServerBusy") as info:
+                    await call()
+                assert info.value.retried and "3 attempts" in str(info.value)
+                assert server.requests - before == 3
 
 
 class Answering:

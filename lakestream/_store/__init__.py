@@ -1,4 +1,5 @@
-"""Object stores: `file://PATH` (or a plain path), `s3://BUCKET/PREFIX`, `memory://`.
+"""Object stores: `file://PATH` (or a plain path), `s3://BUCKET/PREFIX`, `az://CONTAINER/PREFIX`
+(Azure Blob Storage, on obstore), `memory://`.
 
 `s3://` has two clients: obstore (Rust's object_store, the default: it costs a third of the CPU
 per PUT and GET, docs/benchmarks.md) and aiobotocore. `LAKESTREAM_S3_CLIENT=obstore|aiobotocore`
@@ -55,7 +56,8 @@ def set_store_wrapper(wrap: Callable[[ObjectStore], ObjectStore] | None) -> None
 def open_store(url: str | os.PathLike[str], **options: object) -> ObjectStore:
     """A store for `url`. Use it as an async context manager (or call `aclose()`).
 
-    Raises ValueError for an unknown scheme or `LAKESTREAM_S3_CLIENT`; S3 needs the `s3` extra.
+    Raises ValueError for an unknown scheme or `LAKESTREAM_S3_CLIENT`; S3 and Azure need the `s3`
+    extra (obstore).
     """
     store = _open_store(url, **options)
     return _wrapper(store) if _wrapper is not None else store
@@ -89,7 +91,13 @@ def _open_store(url: str | os.PathLike[str], **options: object) -> ObjectStore:
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ImportError(f"s3:// URLs need the 's3' extra ({client}): pip install 'lakestream[s3]'") from e
         return S3Store.from_url(rest, **options)
-    raise ValueError(f"unsupported store URL {os.fspath(url)!r}: use file://, s3:// or memory://")
+    if scheme == "az":
+        try:
+            from ._obstore import ObstoreAzureStore
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError("az:// URLs need the 's3' extra (obstore): pip install 'lakestream[s3]'") from e
+        return ObstoreAzureStore.from_url(rest, **options)
+    raise ValueError(f"unsupported store URL {os.fspath(url)!r}: use file://, s3://, az:// or memory://")
 
 
 def s3_client() -> str:

@@ -1,4 +1,6 @@
-"""`s3://BUCKET/PREFIX` store on obstore (Rust's object_store; the only module that imports it).
+"""`s3://BUCKET/PREFIX` and `az://CONTAINER/PREFIX` stores on obstore (Rust's object_store; the
+only module that imports it). Both share every operation (`_ObstoreStore`); they differ in the
+client they build and in how the service names its errors.
 
 Endpoint, credentials and region come from the standard AWS environment (AWS_ENDPOINT_URL_S3,
 AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION /
@@ -14,9 +16,16 @@ needs the body's SHA-256, 1.6 ms of CPU a 2.35 MB segment against about 0.2 for 
 `LAKESTREAM_S3_CHECKSUM=sha256` signs the payload and sends `x-amz-checksum-sha256` (the same
 hash, so it costs nothing more), for a server that does not know CRC64NVME.
 
-Retries are ours alone (obstore's are off), as `_s3base` describes. obstore reports an S3 error
-response as text; `_response` reads its HTTP status and S3 code out of it and `_translate` turns
-every obstore error into a Lakestream StoreError.
+Azure Blob Storage (`az://`): the account, its credentials and the endpoint come from the
+environment variables obstore reads (AZURE_STORAGE_ACCOUNT_NAME, AZURE_STORAGE_ACCOUNT_KEY, a SAS
+in AZURE_STORAGE_SAS_KEY, a service principal, a managed identity, AZURE_STORAGE_ENDPOINT,
+AZURE_STORAGE_USE_EMULATOR), each of account, key and endpoint overridable by keyword.
+`put_if_absent` is a Put Blob with `If-None-Match: *`; a Put Blob stores its blob only once the
+whole body its Content-Length announces has arrived, so a cut-off upload stores nothing.
+
+Retries are ours alone (obstore's are off), as `_s3base` describes. obstore reports an error
+response as text; `_response` reads its HTTP status and error code out of it (S3 and Azure both
+answer `<Error><Code>`) and `_translate` turns every obstore error into a Lakestream StoreError.
 """
 
 from __future__ import annotations
@@ -27,8 +36,9 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
+import anyio
 import obstore
 from obstore.exceptions import (
     AlreadyExistsError,
@@ -37,20 +47,23 @@ from obstore.exceptions import (
     PreconditionError,
     UnauthenticatedError,
 )
+from obstore.store import AzureStore as _AzureClient
 from obstore.store import S3Store as _Client
 
 if TYPE_CHECKING:
-    from obstore.store import ClientConfig, S3Config, S3Credential
+    from obstore.store import AzureConfig, ClientConfig, S3Config, S3Credential
 
 from .._errors import StoreError
+from .._tasks import task_group
 from ._base import Data
 from ._s3base import S3Base, retryable_response
 
-__all__ = ["ObstoreS3Store", "usable"]
+__all__ = ["ObstoreAzureStore", "ObstoreS3Store", "usable"]
 
 T = TypeVar("T")
 
 _BATCH = 1000  # DeleteObjects limit
+_DELETE_EACH = 32  # single deletes in flight when a batch delete must be done again key by key
 _REQUEST_TIMEOUT = timedelta(minutes=10)  # a whole request; a stalled one is cut by `read_timeout`
 _STATUS = re.compile(r"status code: (\d{3})")
 _CODE = re.compile(r"<Code>([^<]*)</Code>")
@@ -58,9 +71,15 @@ _MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
 _TRANSPORT = re.compile(r"HTTP error|error sending request|timed out|connection", re.IGNORECASE)
 
 
+_BULK = re.compile(r"Bulk delete request failed for key .*: (.*) \(code: (\d{3})\)")
+_BULK_CODES = {"The specified container does not exist.": "ContainerNotFound"}  # Azure's batch says no code
+
+
 def _response(e: BaseException) -> tuple[str, int, str]:
-    """(S3 code, HTTP status, message) of an obstore error: ('', 0, text) if no response came back."""
+    """(error code, HTTP status, message) of an obstore error: ('', 0, text) if no response came back."""
     text = str(e).split("\n\nDebug source:", 1)[0]
+    if bulk := _BULK.search(text):  # one key's answer within a batch delete
+        return _BULK_CODES.get(bulk.group(1), ""), int(bulk.group(2)), bulk.group(1)
     status = _STATUS.search(text)
     code = _CODE.search(text)
     message = _MESSAGE.search(text)
@@ -142,24 +161,37 @@ def _checksum_config() -> S3Config:
     raise ValueError(f"LAKESTREAM_S3_CHECKSUM={name!r}: expected one of {', '.join(CHECKSUMS)}")
 
 
-class ObstoreS3Store(S3Base):
-    """An object store rooted at `s3://bucket/prefix` on obstore; keys are relative to the prefix.
-    Its options are `S3Base`'s (`max_pool_connections`: the idle connections kept)."""
+def _client_config(max_pool_connections: int, connect_timeout: float, read_timeout: float) -> ClientConfig:
+    return {
+        "connect_timeout": timedelta(seconds=connect_timeout),
+        "read_timeout": timedelta(seconds=read_timeout),
+        "timeout": _REQUEST_TIMEOUT,
+        "pool_max_idle_per_host": str(max_pool_connections),
+    }
+
+
+class _ObstoreStore(S3Base):
+    """Every operation of an obstore store; a service's store builds the client (`_new_client`)."""
+
+    _client_options: ClientConfig
 
     def _configure(self, *, max_pool_connections: int, connect_timeout: float, read_timeout: float) -> None:
-        self._checksum = _checksum_config()  # read when the store is opened, so that a bad value fails there
-        self._client_options: ClientConfig = {
-            "connect_timeout": timedelta(seconds=connect_timeout),
-            "read_timeout": timedelta(seconds=read_timeout),
-            "timeout": _REQUEST_TIMEOUT,
-            "pool_max_idle_per_host": str(max_pool_connections),
-        }
+        self._client_options = _client_config(max_pool_connections, connect_timeout, read_timeout)
+        self._opened_in = os.getpid()
+
+    def _new_client(self) -> Any:
+        raise NotImplementedError
 
     # -- plumbing ------------------------------------------------------------------------------
 
     def _get_client(self) -> Any:
         global _started_in
         if not usable():
+            if self._opened_in == os.getpid():  # az://: no other client to fall back on (s3:// has one)
+                raise StoreError(
+                    f"{self.url}: this process was forked from one that had used obstore, whose threads a fork "
+                    "does not copy: start it by spawn instead (a DataLoader: multiprocessing_context='spawn')"
+                )
             raise StoreError(
                 f"{self.url}: this store was opened in the process this one was forked from, after obstore "
                 "had started its threads there, which a fork does not copy: open the store in this process"
@@ -169,45 +201,6 @@ class ObstoreS3Store(S3Base):
             _started_in = os.getpid()
             _grace_at_exit()
         return self._client
-
-    def _new_client(self) -> Any:
-        env = os.environ
-        session = None
-        config: S3Config = {"virtual_hosted_style_request": False, **self._checksum}
-        endpoint = self._endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
-        region = self._region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
-        key_id, secret, token = self._keys
-        if not (key_id and secret) and env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
-            key_id = key_id or env["AWS_ACCESS_KEY_ID"]
-            secret = secret or env["AWS_SECRET_ACCESS_KEY"]
-            token = token or env.get("AWS_SESSION_TOKEN")
-        provider = None
-        if not (endpoint and region and key_id and secret) and (session := _botocore_session()) is not None:
-            endpoint = endpoint or session.get_config_variable("endpoint_url")
-            region = region or session.get_config_variable("region")
-            if not (key_id and secret):
-                credentials = session.get_credentials()
-                if credentials is None:
-                    raise self._no_credentials("none in the environment, the AWS config files or instance metadata")
-                provider = _BotocoreCredentials(credentials)
-        config["region"] = region or "us-east-1"
-        if endpoint:  # obstore reads AWS_ENDPOINT_URL_S3 itself and prefers it to `endpoint`
-            config["endpoint"] = config["aws_endpoint_url_s3"] = endpoint
-            self.endpoint_url = endpoint
-        else:
-            self.endpoint_url = f"https://s3.{config['region']}.amazonaws.com"
-        if key_id and secret:
-            config["access_key_id"], config["secret_access_key"] = key_id, secret
-            if token:
-                config["session_token"] = token
-        options: ClientConfig = {**self._client_options, "allow_http": self.endpoint_url.startswith("http://")}
-        return _Client(
-            self.bucket,
-            config=config,
-            client_options=options,
-            retry_config={"max_retries": 0},  # retries are ours
-            credential_provider=provider,
-        )
 
     def _translate(self, e: Exception, key: str | None, op: str, attempts: int, elapsed: float) -> StoreError:
         """An obstore error as a Lakestream error."""
@@ -263,7 +256,7 @@ class ObstoreS3Store(S3Base):
                 data = await obstore.get_range_async(c, full, start=offset, length=length)
             except BaseError as e:
                 code, status, _ = _response(e)
-                if status == 416 or code == "InvalidRange":  # offset at or past the end
+                if status == 416 or code == "InvalidRange" or "InvalidRangeRequest" in str(e):  # at or past the end
                     return b""
                 raise
             return memoryview(data)  # type: ignore[return-value]
@@ -336,16 +329,150 @@ class ObstoreS3Store(S3Base):
             batch = full[i : i + _BATCH]
 
             async def attempt(c: Any) -> None:
-                await obstore.delete_async(c, batch)
+                try:
+                    await obstore.delete_async(c, batch)
+                except FileNotFoundError as e:  # Azure: a batch names a key that was missing (the rest are gone)
+                    if _response(e)[0] in self.MISSING_CONTAINER_CODES:
+                        raise
+                    await self._delete_each(c, batch)
 
             await self._run("delete", None, attempt)
+
+    async def _delete_each(self, c: Any, keys: Sequence[str]) -> None:
+        """Delete each key alone (a batch of one), a missing one ignored (a missing container is not)."""
+        limit = anyio.Semaphore(_DELETE_EACH)
+
+        async def one(key: str) -> None:
+            async with limit:
+                try:
+                    await obstore.delete_async(c, key)
+                except FileNotFoundError as e:
+                    if _response(e)[0] in self.MISSING_CONTAINER_CODES:
+                        raise
+
+        async with task_group() as tg:
+            for key in keys:
+                tg.start_soon(one, key)
 
     async def aclose(self) -> None:
         """Drop the client and its connections. Idempotent."""
         self._client = None
 
-    async def __aenter__(self) -> ObstoreS3Store:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+class ObstoreS3Store(_ObstoreStore):
+    """An object store rooted at `s3://bucket/prefix` on obstore; keys are relative to the prefix.
+    Its options are `S3Base`'s (`max_pool_connections`: the idle connections kept)."""
+
+    def _configure(self, *, max_pool_connections: int, connect_timeout: float, read_timeout: float) -> None:
+        self._checksum = _checksum_config()  # read when the store is opened, so that a bad value fails there
+        super()._configure(
+            max_pool_connections=max_pool_connections, connect_timeout=connect_timeout, read_timeout=read_timeout
+        )
+
+    def _new_client(self) -> Any:
+        env = os.environ
+        session = None
+        config: S3Config = {"virtual_hosted_style_request": False, **self._checksum}
+        endpoint = self._endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+        region = self._region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+        key_id, secret, token = self._keys
+        if not (key_id and secret) and env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+            key_id = key_id or env["AWS_ACCESS_KEY_ID"]
+            secret = secret or env["AWS_SECRET_ACCESS_KEY"]
+            token = token or env.get("AWS_SESSION_TOKEN")
+        provider = None
+        if not (endpoint and region and key_id and secret) and (session := _botocore_session()) is not None:
+            endpoint = endpoint or session.get_config_variable("endpoint_url")
+            region = region or session.get_config_variable("region")
+            if not (key_id and secret):
+                credentials = session.get_credentials()
+                if credentials is None:
+                    raise self._no_credentials("none in the environment, the AWS config files or instance metadata")
+                provider = _BotocoreCredentials(credentials)
+        config["region"] = region or "us-east-1"
+        if endpoint:  # obstore reads AWS_ENDPOINT_URL_S3 itself and prefers it to `endpoint`
+            config["endpoint"] = config["aws_endpoint_url_s3"] = endpoint
+            self.endpoint_url = endpoint
+        else:
+            self.endpoint_url = f"https://s3.{config['region']}.amazonaws.com"
+        if key_id and secret:
+            config["access_key_id"], config["secret_access_key"] = key_id, secret
+            if token:
+                config["session_token"] = token
+        options: ClientConfig = {**self._client_options, "allow_http": self.endpoint_url.startswith("http://")}
+        return _Client(
+            self.bucket,
+            config=config,
+            client_options=options,
+            retry_config={"max_retries": 0},  # retries are ours
+            credential_provider=provider,
+        )
+
+
+class ObstoreAzureStore(_ObstoreStore):
+    """An object store rooted at `az://container/prefix` (Azure Blob Storage) on obstore.
+
+    Options: `account_name`, `account_key` and `endpoint_url` (default from the environment
+    obstore reads, as the module says; else `https://ACCOUNT.blob.core.windows.net`), and the
+    connection, retry and rate options of `S3Base` (its `aws_*` and `region_name` are not used)."""
+
+    SCHEME = "az"
+    CONTAINER = "container"
+    CREDENTIALS = "AZURE_STORAGE_ACCOUNT_NAME / AZURE_STORAGE_ACCOUNT_KEY, or another Azure credential"
+    MISSING_CONTAINER_CODES = frozenset({"ContainerNotFound"})
+    DENIED_CODES = frozenset(
+        {
+            "AuthenticationFailed",
+            "AuthorizationFailure",
+            "AuthorizationPermissionMismatch",
+            "AuthorizationProtocolMismatch",
+            "AuthorizationResourceTypeMismatch",
+            "AuthorizationServiceMismatch",
+            "AuthorizationSourceIPMismatch",
+            "InsufficientAccountPermissions",
+            "InvalidAuthenticationInfo",
+            "AccountIsDisabled",
+        }
+    )
+
+    def __init__(
+        self,
+        container: str,
+        prefix: str = "",
+        *,
+        account_name: str | None = None,
+        account_key: str | None = None,
+        endpoint_url: str | None = None,
+        **options: Any,
+    ) -> None:
+        env = os.environ
+        self._account = account_name or env.get("AZURE_STORAGE_ACCOUNT_NAME") or env.get("AZURE_STORAGE_ACCOUNT")
+        self._account_key = account_key
+        super().__init__(container, prefix, endpoint_url=endpoint_url, **options)
+        emulator = env.get("AZURE_STORAGE_USE_EMULATOR", "").lower() in ("1", "true")
+        self.endpoint_url = (
+            endpoint_url
+            or env.get("AZURE_STORAGE_ENDPOINT")
+            or env.get("AZURE_ENDPOINT")
+            or (f"http://127.0.0.1:10000/{self._account or 'devstoreaccount1'}" if emulator else "")
+            or f"https://{self._account or 'ACCOUNT'}.blob.core.windows.net"
+        )
+
+    def _new_client(self) -> Any:
+        if not self._account and os.environ.get("AZURE_STORAGE_USE_EMULATOR", "").lower() not in ("1", "true"):
+            raise self._no_credentials("no storage account named (AZURE_STORAGE_ACCOUNT_NAME)")
+        config: AzureConfig = {}
+        if self._account:
+            config["account_name"] = self._account
+        if self._account_key:
+            config["account_key"] = self._account_key
+        if self._endpoint:
+            config["endpoint"] = self._endpoint
+        options: ClientConfig = {**self._client_options, "allow_http": self.endpoint_url.startswith("http://")}
+        return _AzureClient(self.bucket, config=config, client_options=options, retry_config={"max_retries": 0})

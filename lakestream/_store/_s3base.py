@@ -1,5 +1,7 @@
-"""What the two `s3://` stores share: the URL, key checks, our retries and the one translation of
-an S3 error response (its code and HTTP status) into a Lakestream error. No client is imported here.
+"""What the remote stores share (`s3://` on either client, `az://` on obstore): the URL, key
+checks, our retries and the one translation of an error response (its code and HTTP status) into a
+Lakestream error. No client is imported here. A store of another service than S3 names its scheme,
+what it calls a bucket, where its credentials come from and its error codes in class attributes.
 
 Retries are ours alone (the clients' are off): throttling, 5xx, connection errors and timeouts are
 retried by `_retry.retry` with jittered exponential backoff (`S3_BACKOFF`) within `max_attempts`
@@ -61,7 +63,8 @@ def retryable_response(code: str, status: int) -> bool:
 
 
 class S3Base:
-    """The parts of an `s3://bucket/prefix` store that do not depend on the client.
+    """The parts of an `s3://bucket/prefix` store that do not depend on the client (nor, but for
+    the class attributes below and the options `_configure` reads, on the service).
 
     Keyword options, the same for both clients: `endpoint_url`, `aws_access_key_id`,
     `aws_secret_access_key`, `aws_session_token`, `region_name` (default from the environment, else
@@ -75,6 +78,12 @@ class S3Base:
     created on first use; `aclose()` releases it (a later call opens a new one). A client's store
     turns these options into its own configuration in `_configure`.
     """
+
+    SCHEME = "s3"
+    CONTAINER = "bucket"  # what the service calls the namespace the URL names first
+    CREDENTIALS = "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"  # where a user sets them
+    MISSING_CONTAINER_CODES = frozenset({"NoSuchBucket"})
+    DENIED_CODES = DENIED_CODES
 
     def __init__(
         self,
@@ -99,11 +108,11 @@ class S3Base:
         rng: RandomSource | None = None,
     ) -> None:
         if not bucket or "/" in bucket:
-            raise ValueError(f"invalid S3 bucket name {bucket!r}")
+            raise ValueError(f"invalid {self.SCHEME}:// {self.CONTAINER} name {bucket!r}")
         prefix = prefix.strip("/")
         self.bucket = bucket
         self.prefix = prefix
-        self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+        self.url = f"{self.SCHEME}://{bucket}/{prefix}" if prefix else f"{self.SCHEME}://{bucket}"
         self.requests = 0  # requests sent, retries included (for cost accounting)
         self._root = prefix + "/" if prefix else ""
         self.max_attempts = max(1, max_attempts)
@@ -131,10 +140,11 @@ class S3Base:
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
-        """A store for `s3://BUCKET[/PREFIX]`."""
-        if not url.startswith("s3://"):
-            raise ValueError(f"not an s3:// URL: {url!r}")
-        bucket, _, prefix = url[len("s3://") :].partition("/")
+        """A store for `s3://BUCKET[/PREFIX]` (`SCHEME://...`)."""
+        scheme = f"{cls.SCHEME}://"
+        if not url.startswith(scheme):
+            raise ValueError(f"not an {scheme} URL: {url!r}")
+        bucket, _, prefix = url[len(scheme) :].partition("/")
         return cls(bucket, prefix, **options)
 
     def __repr__(self) -> str:
@@ -146,19 +156,19 @@ class S3Base:
         return self._root + key
 
     def _where(self) -> str:
-        return f"bucket {self.bucket!r} at {self.endpoint_url}"
+        return f"{self.CONTAINER} {self.bucket!r} at {self.endpoint_url}"
 
     def _error(self, code: str, status: int, message: str, key: str | None, op: str) -> StoreError:
-        """The one translation of an S3 error response into a Lakestream error."""
+        """The one translation of an error response into a Lakestream error."""
         where = self._where()
-        if code == "NoSuchBucket":
+        if code in self.MISSING_CONTAINER_CODES:
             return BucketNotFound(f"{self.url}: {where} does not exist")
         if key is not None and (code in ("NoSuchKey", "NotFound") or status == 404):
             return ObjectNotFound(f"{self.url}: no object {key!r} (key {self._root + key!r} in {where})")
-        if code in DENIED_CODES or status == 403:
+        if code in self.DENIED_CODES or status == 403:
             return AccessDenied(
                 f"{self.url}: {where} denied {op} ({code or status}: {message}); check the credentials "
-                "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and their permissions"
+                f"({self.CREDENTIALS}) and their permissions"
             )
         target = f" {key!r}" if key is not None else ""
         return StoreError(f"{self.url}: {op}{target} failed in {where}: {code or status}: {message}")
@@ -170,14 +180,11 @@ class S3Base:
         )
 
     def _no_credentials(self, what: object) -> AccessDenied:
-        return AccessDenied(
-            f"{self.url}: no usable credentials for {self._where()}: {what}; "
-            "set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
-        )
+        return AccessDenied(f"{self.url}: no usable credentials for {self._where()}: {what}; set {self.CREDENTIALS}")
 
     def _unreachable(self, attempts: int, elapsed: float, what: object) -> StoreUnavailable:
         return StoreUnavailable(
-            f"{self.url}: S3 endpoint {self.endpoint_url} unreachable for bucket {self.bucket!r} "
+            f"{self.url}: endpoint {self.endpoint_url} unreachable for {self.CONTAINER} {self.bucket!r} "
             f"({attempts} attempts in {elapsed:.1f}s): {what}",
             retried=True,
         )
