@@ -600,6 +600,35 @@ async def test_s3_an_upload_cut_off_after_its_headers_leaves_no_object(
             await store.get("cut/record")
 
 
+@pytest.mark.parametrize("op", ["put", "put_if_absent"])
+@pytest.mark.parametrize("sent", [0, 400, 900])
+async def test_azure_an_upload_cut_off_leaves_no_object(azurite: Azurite, az_url: str, op: str, sent: int) -> None:
+    """A producer killed between the request's headers and the end of its body: Azure stores a
+    blob only once the whole body its Content-Length announces has arrived. The request obstore
+    sends is caught by a stand-in server, then its headers and `sent` bytes of its 900-byte body
+    go to Azurite and the connection is closed: the whole body (the request is valid) stores it."""
+    body = b'{"kind": "commit"}' * 50
+    with Answering(b"400 Bad Request", b"Caught") as catcher:
+        endpoint = f"{catcher.url}/devstoreaccount1"
+        async with open_store(az_url, endpoint_url=endpoint, max_attempts=1) as store:
+            with pytest.raises(StoreError):
+                await getattr(store, op)("cut/record", body)
+    (head,) = catcher.headers
+    assert len(body) == 900 and re.search(rb"(?im)^content-length: *900\r?$", head), head
+    head = b"\r\n".join(line for line in head.split(b"\r\n") if not line.lower().startswith(b"expect:"))
+    port = int(azurite.endpoint_url.split(":")[2].split("/")[0])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(head + b"\r\n\r\n" + body[:sent])
+        time.sleep(0.2)
+    await asyncio.sleep(0.5)
+    async with open_store(az_url) as store:
+        if sent == len(body):
+            assert await store.get("cut/record") == body
+        else:
+            with pytest.raises(ObjectNotFound):
+                await store.get("cut/record")
+
+
 def crc64nvme(data: bytes) -> int:
     """CRC-64/NVME (reflected polynomial 0x9A6C9329AC4BC9B5, all ones in and out), bit by bit."""
     crc = 0xFFFFFFFFFFFFFFFF
@@ -728,6 +757,44 @@ def test_a_process_forked_after_obstore_was_used_opens_its_stores_on_aiobotocore
     assert lines[0] == "S3Store", proc.stdout + proc.stderr[-3000:]
     assert lines[1].startswith("inherited: ") and "forked" in lines[1] and s3_url in lines[1], lines
     assert lines[2] == "child exit 0", proc.stdout + proc.stderr[-3000:]
+
+
+AZ_FORKER = """
+import asyncio, os, sys
+from lakestream._errors import StoreError
+from lakestream._store import open_store
+url = sys.argv[1]
+async def parent():
+    async with open_store(url) as store:
+        await store.put("parent", b"p")
+asyncio.run(parent())
+pid = os.fork()
+if pid == 0:  # as a DataLoader worker forked from a process that read the stream
+    async def child():
+        async with open_store(url) as store:
+            try:
+                print("read", await asyncio.wait_for(store.get("parent"), 20), flush=True)
+            except StoreError as e:
+                print("error:", e, flush=True)
+    asyncio.run(child())
+    sys.exit(0)
+_, status = os.waitpid(pid, 0)
+print("child exit", status, flush=True)
+"""
+
+
+def test_a_process_forked_after_obstore_was_used_is_told_to_spawn_for_az(az_url: str) -> None:
+    """obstore's threads do not survive a fork and az:// has no other client: a store opened in a
+    forked child raises StoreError naming the fork and the way out, rather than never returning."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", AZ_FORKER, az_url], env={**os.environ, "PYTHONPATH": path}, timeout=120,
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    error, exit_line = proc.stdout.splitlines()
+    assert error.startswith("error: ") and az_url in error and "forked" in error and "spawn" in error, error
+    assert exit_line == "child exit 0", proc.stdout + proc.stderr[-3000:]
 
 
 async def test_s3_credentials_and_region_from_the_aws_config_files(
