@@ -190,6 +190,11 @@ class Manifest:
         self.lease = lease
         self.clock = clock
         self.confirmed_at = -math.inf  # clock() when the tail was last confirmed
+        # clock() when the read that brought the newest versions applied was sent: the version
+        # landed before the store answered it, so a follower pacing itself takes this, not the
+        # moment the answer came back, for when it arrived (a GET's latency would otherwise make
+        # each step look later than the last by that much, and the next look for it come late).
+        self.found_at = -math.inf
         self.requests = 0  # store requests made for the log (for cost accounting)
         self._probe_latency = 0.0  # the read round that found the tail, last time
         self.problems: list[str] = []  # snapshots the last load skipped as bad (see `read_snapshot`)
@@ -431,6 +436,7 @@ class Manifest:
                     self.on_apply(self.state)
                 applied += 1
                 found += 1
+                self.found_at = started
             if enough is not None and enough():
                 return applied
             window = min(window * 2, MAX_WINDOW)

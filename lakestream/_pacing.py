@@ -73,6 +73,7 @@ __all__ = [
 PACE_WAKE = 0.9  # a follower at the tail looks again for the next step this far into the gap it expects
 PACE_GAPS = 8  # the arrivals of steps waited for that the expected gap is the median gap of
 PACE_LATE = 1 / 8  # once a step is past due, the longest wait between looks for it, as a fraction of its gap
+PACE_SPED_UP = 1 / 2  # last two gaps shorter than this fraction of the median: the stream sped up, pace unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,7 +270,10 @@ def make_policy(policy: str | CommitPolicy | None, rng: random.Random | None = N
 
 class StepPace:
     """When a follower of the log at its tail expects the next step: from when the last steps it
-    waited for arrived (`arrived`, each step and when its wait ended, on the follower's clock).
+    waited for arrived (`arrived`: each step, and when the read of the log that found it was
+    sent, on the follower's clock; not when its answer came back, which would make each arrival
+    look a read's latency later than the step landed, so that at S3's 25-60 ms a read the looks
+    fell a whole step behind).
 
     Once a read of the log finds the step waited for is not there, the follower looks again when
     it is due (`due`) rather than at every doubling of a poll interval from its least; past that,
@@ -282,20 +286,28 @@ class StepPace:
         self._arrivals: deque[tuple[int, float]] = deque(maxlen=gaps + 1)
 
     def arrived(self, step: int, when: float) -> None:
-        """`step` was waited for, and its wait ended at `when`."""
+        """`step` was waited for, and the read that found it was sent at `when`."""
         self._arrivals.append((step, when))
 
     def gap(self, step: int) -> float:
         """The gap at which `step` is expected after the previous one: the median gap between
         consecutive steps' last arrivals (the lower one of an even count: of two, the shorter,
-        so a pause before the first steps does not stand for the pace); 0.0 (not known) unless the previous step's arrival and
-        at least two such gaps are known (after a catch-up or a pause, when the previous step
-        landed is not known)."""
+        so a pause before the first steps does not stand for the pace); 0.0 (not known) unless
+        the previous step's arrival and at least two such gaps are known (after a catch-up or a
+        pause, when the previous step landed is not known), and while the last two gaps are
+        shorter than PACE_SPED_UP of the median on average (the stream sped up: until the median
+        follows, a step that lands just after a look would otherwise wait most of the old gap to
+        be seen; one short gap alone is a follower catching up, not a new pace)."""
         a = self._arrivals
         if len(a) < 3 or step != a[-1][0] + 1:
             return 0.0
-        gaps = sorted(t1 - t0 for (s0, t0), (s1, t1) in itertools.pairwise(a) if s1 == s0 + 1)
-        return gaps[(len(gaps) - 1) // 2] if len(gaps) >= 2 else 0.0
+        gaps = [t1 - t0 for (s0, t0), (s1, t1) in itertools.pairwise(a) if s1 == s0 + 1]
+        if len(gaps) < 2:
+            return 0.0
+        median = sorted(gaps)[(len(gaps) - 1) // 2]
+        if a[-3][0] == a[-1][0] - 2 and a[-1][1] - a[-3][1] < 2 * PACE_SPED_UP * median:
+            return 0.0  # the stream sped up: steps waited for at the old pace would come late
+        return median
 
     def due(self, step: int) -> float:
         """When to look again for `step` after a read found the log ends before it: `wake` into

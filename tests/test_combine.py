@@ -878,8 +878,9 @@ def test_a_fast_reader_learns_of_versions_soon_after_they_land_at_a_bounded_rate
     assert log_gets / span <= 2 / _reader.READ_AHEAD_EVERY + len(lags) / span, (log_gets, span, len(lags))
 
 
+@pytest.mark.parametrize("store", ["local", "s3"])
 def test_a_reader_at_the_tail_of_a_steady_stream_reads_the_log_about_three_times_a_step(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, store: str
 ) -> None:
     """A consumer that takes each step as soon as it is committed, one every 0.08-0.1 s (a live
     trainer waiting on its producers): once a read of the log finds the next step is not there,
@@ -888,8 +889,15 @@ def test_a_reader_at_the_tail_of_a_steady_stream_reads_the_log_about_three_times
     after a step, one too early, one that finds it), not once for each doubling of the poll
     interval from `poll_min` and twice more to confirm the tail after finding the step (seven a
     step), and learns of each step within a few ms of it landing, not up to half a gap late. (On a store answering in a millisecond or two, as a local
-    one does: at S3's 25 ms a read, fewer fit in a gap either way.)"""
-    bucket = SimulatedS3(rng=random.Random(5), latency={"put": (0.001, 0.003), "get": (0.0005, 0.002)})
+    one does: at S3's 25 ms a read, fewer fit in a gap either way.)
+
+    At S3's 25-60 ms a read, it learns of each step about one read after it lands: the pace counts
+    a step as arrived when the read that found it was sent, not when its answer came back (which
+    made each arrival look a read's latency late, and the reader settle a step behind: lag p50 52
+    ms, p90 165 ms)."""
+    local = {"put": (0.001, 0.003), "get": (0.0005, 0.002)}
+    s3 = {"put": (0.025, 0.06), "get": (0.025, 0.06)}
+    bucket = SimulatedS3(rng=random.Random(5), latency=local if store == "local" else s3)
     admin = bucket.client("admin")
     known: dict[int, float] = {}
     window: list[float] = []
@@ -913,11 +921,15 @@ def test_a_reader_at_the_tail_of_a_steady_stream_reads_the_log_about_three_times
     lags = sorted(t - bucket.created[log_key(v)] for v, t in known.items() if window[0] <= t <= window[-1])
     requests = counted[1] - counted[0]
     log_gets = sum(c for (who, _, area), c in requests.items() if who == "reader" and area == "_lakestream/log/")
-    # Measured: 3.8 reads a step, lag p50 5 ms, max 16 ms; before (polling from `poll_min` at each
-    # wait, and confirming the tail after each step found): 7.2 reads a step, p50 17 ms, max 81 ms.
     assert len(lags) >= 90, len(lags)
     assert log_gets / len(lags) <= 4.0, (log_gets, len(lags))
-    assert lags[len(lags) // 2] <= 0.01 and lags[-1] <= 0.05, (lags[len(lags) // 2], lags[-5:])
+    p50, p90 = lags[len(lags) // 2], lags[len(lags) * 9 // 10]
+    if store == "local":
+        # Measured: 3.8 reads a step, lag p50 5 ms, max 16 ms; before (polling from `poll_min` at each
+        # wait, and confirming the tail after each step found): 7.2 reads a step, p50 17 ms, max 81 ms.
+        assert p50 <= 0.01 and lags[-1] <= 0.05, (p50, lags[-5:])
+    else:  # Measured: 3.2 reads a step, lag p50 32 ms, p90 53 ms, max 71 ms.
+        assert p50 <= 0.05 and p90 <= 0.1, (p50, p90, lags[-5:])
 
 
 @pytest.mark.parametrize("produce_every", [0.05, 0.1, 0.2])

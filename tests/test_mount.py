@@ -665,18 +665,28 @@ def test_while_no_request_waits_for_a_step_the_log_is_read_at_most_20_times_a_se
     assert anyio.run(delays, 0) == [0.05, 0.05, pytest.approx(0.5 / 8), 0.25]
 
 
+S3_LATENCY = {"put": (0.025, 0.06), "get": (0.025, 0.06)}  # S3's 25-60 ms a request
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
 def test_a_mount_at_the_tail_of_a_steady_stream_reads_the_log_a_few_times_a_step(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, store: str
 ) -> None:
     """A trainer waiting on a live stream through the mount, one step every 0.08-0.1 s: once a
     read of the log finds the step a lookup waits for is not there, the follower reads again
     when it is due at the pace the last ones arrived (`StepPace`), then at `poll_min` doubling,
     and a read that brings the step waited for stops there, so it reads the log a few times a
     step, not every `poll_min` (2 ms: 38 times a step here), and the lookup still returns within
-    a few ms of the step landing. The real follower and waits, on a simulated store and clock."""
+    a few ms of the step landing. The real follower and waits, on a simulated store and clock.
+
+    At S3's latencies a lookup learns of each step about one read after it lands: the pace counts
+    a step as arrived when the read that found it was sent. Counted from when its answer came
+    back, each arrival looked a read's latency later than the last, the due look came later and
+    later, and the follower settled a whole step behind (lag p50 86 ms, p90 193 ms, 2.0 reads a step)."""
     from lakestream_mount._fs import LakeFS
 
-    bucket = SimulatedS3(rng=random.Random(5), latency={"put": (0.001, 0.003), "get": (0.0005, 0.002)})
+    local = {"put": (0.001, 0.003), "get": (0.0005, 0.002)}
+    bucket = SimulatedS3(rng=random.Random(5), latency=local if store == "local" else S3_LATENCY)
     lags: list[float] = []
     counted: list[Counter[tuple[str, str, str]]] = []  # the requests at the window's start and end
 
@@ -702,10 +712,14 @@ def test_a_mount_at_the_tail_of_a_steady_stream_reads_the_log_a_few_times_a_step
     requests = counted[1] - counted[0]
     log_gets = sum(c for (who, _, area), c in requests.items() if who == "mount" and area == "_lakestream/log/")
     lags.sort()
-    # Measured: 4.1 reads a step, lag p50 4 ms, max 11 ms; before (every `poll_min` for a second
-    # after the log moved or a wait started, each read to the tail): 38 reads a step, p50 2 ms, max 5 ms.
+    p50, p90 = lags[len(lags) // 2], lags[len(lags) * 9 // 10]
     assert log_gets / 99 <= 4.5, log_gets
-    assert lags[len(lags) // 2] <= 0.01 and lags[-1] <= 0.05, (lags[len(lags) // 2], lags[-5:])
+    if store == "local":
+        # Measured: 4.1 reads a step, lag p50 4 ms, max 11 ms; before (every `poll_min` for a second
+        # after the log moved or a wait started, each read to the tail): 38 reads a step, p50 2 ms, max 5 ms.
+        assert p50 <= 0.01 and lags[-1] <= 0.05, (p50, lags[-5:])
+    else:  # Measured: 2.8 reads a step, lag p50 29 ms, p90 42 ms, max 71 ms.
+        assert p50 <= 0.05 and p90 <= 0.1, (p50, p90, lags[-5:])
 
 
 def test_a_mount_at_the_tail_of_a_stream_whose_pace_changes_serves_each_step_soon_after_it_lands(

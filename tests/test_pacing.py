@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import lakestream
 from lakestream._pacing import (
     PACE_LATE,
+    PACE_SPED_UP,
     PACE_WAKE,
     AttemptOutcome,
     BackoffPolicy,
@@ -207,6 +208,23 @@ async def test_32_producers_no_livelock_exactly_once_ceiling_respected() -> None
     assert sum(s.commits for s in stats) < len(state.steps)  # grouping happened
 
 
+def test_step_pace_forgets_its_pace_when_the_stream_speeds_up_not_when_a_follower_catches_up() -> None:
+    """Six steps 0.1 s apart, then steps 2 ms apart: after one short gap the next step is still
+    expected 0.09 s on (one step found right after another is a follower catching up); after two,
+    the pace is not known and the follower looks at once (the median of the last eight gaps is
+    still 0.1 s, and a step landing just after a look would wait 0.09 s to be seen)."""
+    pace = StepPace()
+    for step in range(6):
+        pace.arrived(step, 10.0 + 0.1 * step)
+    pace.arrived(6, 10.502)
+    assert pace.due(7) == pytest.approx(10.502 + PACE_WAKE * 0.1)
+    pace.arrived(7, 10.504)
+    assert pace.due(7 + 1) == 0.0 and pace.gap(8) == 0.0
+    for step in range(8, 14):  # the median follows: the new pace is known
+        pace.arrived(step, 10.504 + 0.002 * (step - 7))
+    assert pace.gap(14) == pytest.approx(0.002)
+
+
 @given(
     st.lists(st.floats(0.001, 10.0), min_size=0, max_size=20),
     st.lists(st.integers(1, 3), min_size=20, max_size=20),
@@ -215,9 +233,10 @@ def test_step_pace_expects_the_next_step_a_fraction_into_the_median_gap_of_conse
     gaps: list[float], strides: list[int]
 ) -> None:
     """`StepPace.due` is PACE_WAKE into the median of the last gaps between consecutive steps'
-    arrivals, after the previous step's; at once (0.0) for any other step, or while fewer than
-    two such gaps are known among the last arrivals: a catch-up (steps not waited for one by
-    one) or a skip leaves no pace, and a reader then looks at once, never later than it would."""
+    arrivals, after the previous step's; at once (0.0) for any other step, while fewer than
+    two such gaps are known among the last arrivals, or while the last two gaps are shorter than
+    PACE_SPED_UP of that median on average: a catch-up (steps not waited for one by one), a skip or a stream
+    that just sped up leaves no pace, and a reader then looks at once, never later than it would."""
     pace = StepPace()
     arrivals: list[tuple[int, float]] = []
     step, when = 0, 100.0
@@ -230,7 +249,13 @@ def test_step_pace_expects_the_next_step_a_fraction_into_the_median_gap_of_conse
     for asked in (arrivals[-1][0] + 1 if arrivals else 1, arrivals[-1][0] + 2 if arrivals else 2, 0):
         due = pace.due(asked)
         longest = pace.longest(asked, 0.5)
-        if arrivals and asked == arrivals[-1][0] + 1 and len(known) >= 2:
+        sped_up = (  # the last two gaps together shorter than twice PACE_SPED_UP of the median
+            len(last) >= 3
+            and last[-3][0] == last[-1][0] - 2
+            and len(known) >= 2
+            and last[-1][1] - last[-3][1] < 2 * PACE_SPED_UP * known[(len(known) - 1) // 2]
+        )
+        if arrivals and asked == arrivals[-1][0] + 1 and len(known) >= 2 and not sped_up:
             gap = known[(len(known) - 1) // 2]
             assert due == pytest.approx(arrivals[-1][1] + PACE_WAKE * gap)
             assert arrivals[-1][1] < due <= arrivals[-1][1] + max(known)

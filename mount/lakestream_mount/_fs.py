@@ -591,8 +591,8 @@ class LakeFS(pyfuse3.Operations):
                 now = self.clock()
                 if changed:
                     last_change, self._empty = now, 0
-                    if self._waiters and self.state.head > head:  # a lookup waited at the tail: a step arrived now
-                        self._pace.arrived(self.state.head, now)
+                    if self._waiters and self.state.head > head:  # a lookup waited at the tail: a step arrived
+                        self._pace.arrived(self.state.head, self.reader.manifest.found_at)
                     self._applied()
                 else:
                     self._empty += 1
