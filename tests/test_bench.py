@@ -149,3 +149,17 @@ def test_scale_bench_smoke() -> None:
     assert row["checkpoints_retained"] > 0, row  # recorded in the background, yet recorded
     assert 0 < row["visible_p50_s"] <= row["visible_p99_s"] < 10, row
     assert row["requests_per_tgb"] > 2 and row["log_gets_per_s"] > 0 and row["log_puts_per_s"] > 0, row
+
+
+def test_tail_bench_smoke() -> None:
+    out = run_bench("tail.py")  # the mount's follower and a Reader at the tail, on simulated time
+    for store in ("local", "S3"):
+        for who in ("mount", "Reader"):
+            row = re.search(
+                rf"^\| steady +\| {store} +\| {who} +\| +(\d+\.\d\d) \| +([\d.]+) \| +([\d.]+) \| +([\d.]+) \|$",
+                out,
+                re.M,
+            )
+            assert row, (store, who, out[-3000:])
+            reads, p50, p90, top = map(float, row.groups())
+            assert 1.0 <= reads < 10 and 0 < p50 <= p90 <= top, row.group(0)
