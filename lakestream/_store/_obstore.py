@@ -69,9 +69,7 @@ _STATUS = re.compile(r"status code: (\d{3})")
 _CODE = re.compile(r"<Code>([^<]*)</Code>")
 _MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
 _TRANSPORT = re.compile(r"HTTP error|error sending request|timed out|connection", re.IGNORECASE)
-
-
-_BULK = re.compile(r"Bulk delete request failed for key .*: (.*) \(code: (\d{3})\)")
+_BULK = re.compile(r"Bulk delete request failed for key [^\n]{0,2048}?: ([^\n]{0,2048}) \(code: (\d{3})\)")
 _BULK_CODES = {"The specified container does not exist.": "ContainerNotFound"}  # Azure's batch says no code
 
 
