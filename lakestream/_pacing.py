@@ -73,7 +73,7 @@ __all__ = [
 PACE_WAKE = 0.9  # a follower at the tail looks again for the next step this far into the gap it expects
 PACE_GAPS = 8  # the arrivals of steps waited for that the expected gap is the median gap of
 PACE_LATE = 1 / 8  # once a step is past due, the longest wait between looks for it, as a fraction of its gap
-PACE_SPED_UP = 1 / 2  # last two gaps shorter than this fraction of the median: the stream sped up, pace unknown
+PACE_SPED_UP = 1 / 2  # a last gap shorter than this fraction of the median: the stream may have sped up
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,10 +294,10 @@ class StepPace:
         consecutive steps' last arrivals (the lower one of an even count: of two, the shorter,
         so a pause before the first steps does not stand for the pace); 0.0 (not known) unless
         the previous step's arrival and at least two such gaps are known (after a catch-up or a
-        pause, when the previous step landed is not known), and while the last two gaps are
-        shorter than PACE_SPED_UP of the median on average (the stream sped up: until the median
-        follows, a step that lands just after a look would otherwise wait most of the old gap to
-        be seen; one short gap alone is a follower catching up, not a new pace)."""
+        pause, when the previous step landed is not known), and while the last gap is shorter
+        than PACE_SPED_UP of the median (the stream may have sped up: until the median follows, a
+        step that lands just after a look would otherwise wait most of the old gap to be seen; a
+        follower that only caught up pays a few more reads, from `poll_min` doubling)."""
         a = self._arrivals
         if len(a) < 3 or step != a[-1][0] + 1:
             return 0.0
@@ -305,8 +305,8 @@ class StepPace:
         if len(gaps) < 2:
             return 0.0
         median = sorted(gaps)[(len(gaps) - 1) // 2]
-        if a[-3][0] == a[-1][0] - 2 and a[-1][1] - a[-3][1] < 2 * PACE_SPED_UP * median:
-            return 0.0  # the stream sped up: steps waited for at the old pace would come late
+        if a[-2][0] == a[-1][0] - 1 and a[-1][1] - a[-2][1] < PACE_SPED_UP * median:
+            return 0.0  # the stream may have sped up: a step waited for at the old pace could come late
         return median
 
     def due(self, step: int) -> float:
