@@ -404,9 +404,11 @@ class Manifest:
         applied = 0
         if self.clock() - self.confirmed_at > self.lease / 2:
             # Rule 2 for readers too: a view this old may sit below a log clean-up.
+            listed = self.clock()
             state = await self._newest_listed_snapshot()
             if state is not None and state.version > self.state.version:
                 self.state = state
+                self.found_at = listed
                 applied += 1
         window = max(1, min(MAX_WINDOW, first or self._expected()))
         found = 0

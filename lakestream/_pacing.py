@@ -286,8 +286,10 @@ class StepPace:
         self._arrivals: deque[tuple[int, float]] = deque(maxlen=gaps + 1)
 
     def arrived(self, step: int, when: float) -> None:
-        """`step` was waited for, and the read that found it was sent at `when`."""
-        self._arrivals.append((step, when))
+        """`step` was waited for, and the read that found it was sent at `when` (not a finite
+        time: not known, and the arrival is not counted)."""
+        if math.isfinite(when):
+            self._arrivals.append((step, when))
 
     def gap(self, step: int) -> float:
         """The gap at which `step` is expected after the previous one: the median gap between

@@ -224,6 +224,8 @@ def test_step_pace_forgets_its_pace_when_the_stream_speeds_up() -> None:
     for step in range(8, 16):
         pace.arrived(step, 10.602 + 0.002 * (step - 7))
     assert pace.gap(16) == pytest.approx(0.002)
+    pace.arrived(16, -math.inf)  # when it was found is not known: not counted
+    assert pace.gap(16) == pytest.approx(0.002) and pace.gap(17) == 0.0
 
 
 @given(
