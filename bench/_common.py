@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -268,6 +268,16 @@ def removing(path: Path) -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+async def inline_to_thread(func: Callable[..., Any], *args: Any, **_: Any) -> Any:
+    """`anyio.to_thread.run_sync` for a process on simulated time (scale.py, tail.py): the call
+    runs on the event loop, taking no simulated time. (A thread would let the mock clock jump
+    while it works, and cost threads.)"""
+    import anyio.lowlevel
+
+    await anyio.lowlevel.checkpoint()
+    return func(*args)
 
 
 def unique(prefix: str) -> str:

@@ -63,12 +63,11 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import anyio.lowlevel
 import anyio.to_thread
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import format_table
+from _common import format_table, inline_to_thread
 
 import lakestream
 from lakestream import metrics
@@ -99,15 +98,8 @@ COLUMNS = [
 # -- the process: simulated time everywhere the library would otherwise leave it -------------------
 
 
-async def _inline(func: Callable[..., Any], *args: Any, **_: Any) -> Any:
-    """`anyio.to_thread.run_sync` in this process: the call runs on the event loop, taking no
-    simulated time. (A thread would let the mock clock jump while it works, and cost threads.)"""
-    await anyio.lowlevel.checkpoint()
-    return func(*args)
-
-
 def prepare_process(seed: int) -> None:
-    anyio.to_thread.run_sync = _inline  # type: ignore[assignment]
+    anyio.to_thread.run_sync = inline_to_thread  # type: ignore[assignment]
     metrics.set_enabled(False)  # scrape-time bookkeeping of thousands of clients: not measured here
     _RNG.seed(seed)  # the jitter of retries that are given no random source
     ids = random.Random(seed)  # producers' tokens and segment keys' random part (they order listings and sets)

@@ -27,13 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import anyio.lowlevel
 import anyio.to_thread
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mount"))
 
-from _common import format_table
+from _common import format_table, inline_to_thread
 
 import lakestream
 from lakestream._layout import log_key
@@ -52,15 +51,10 @@ CADENCE: dict[str, Callable[[int], float]] = {
 WARM = 20  # steps before the window: the pace is learned
 
 
-async def _inline(func: Callable[..., Any], *args: Any, **_: Any) -> Any:
-    await anyio.lowlevel.checkpoint()
-    return func(*args)
-
-
 def simulated(main: Callable[[], Any]) -> None:
     from trio.testing import MockClock
 
-    anyio.to_thread.run_sync = _inline  # type: ignore[assignment]
+    anyio.to_thread.run_sync = inline_to_thread  # type: ignore[assignment]
     anyio.run(main, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)})
 
 

@@ -322,7 +322,7 @@ class Reader:
             entry = self._entry(step)
             if entry is not None:
                 if empty:
-                    self._pace.arrived(step, min(self.manifest.found_at, clock()))
+                    self._pace.arrived(step, self.manifest.found_at)
                 return entry
             applied = await self.manifest.follow(enough=lambda: self.state.step(step) is not None)
             if check is not None:

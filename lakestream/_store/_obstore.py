@@ -159,26 +159,29 @@ def _checksum_config() -> S3Config:
     raise ValueError(f"LAKESTREAM_S3_CHECKSUM={name!r}: expected one of {', '.join(CHECKSUMS)}")
 
 
-def _client_config(max_pool_connections: int, connect_timeout: float, read_timeout: float) -> ClientConfig:
-    return {
-        "connect_timeout": timedelta(seconds=connect_timeout),
-        "read_timeout": timedelta(seconds=read_timeout),
-        "timeout": _REQUEST_TIMEOUT,
-        "pool_max_idle_per_host": str(max_pool_connections),
-    }
-
-
 class _ObstoreStore(S3Base):
     """Every operation of an obstore store; a service's store builds the client (`_new_client`)."""
 
     _client_options: ClientConfig
 
     def _configure(self, *, max_pool_connections: int, connect_timeout: float, read_timeout: float) -> None:
-        self._client_options = _client_config(max_pool_connections, connect_timeout, read_timeout)
+        self._client_options = {
+            "connect_timeout": timedelta(seconds=connect_timeout),
+            "read_timeout": timedelta(seconds=read_timeout),
+            "timeout": _REQUEST_TIMEOUT,
+            "pool_max_idle_per_host": str(max_pool_connections),
+        }
         self._opened_in = os.getpid()
 
     def _new_client(self) -> Any:
         raise NotImplementedError
+
+    def _http_options(self) -> ClientConfig:
+        """The client options, with plain `http://` allowed where the endpoint is one."""
+        return {**self._client_options, "allow_http": self.endpoint_url.startswith("http://")}
+
+    def _missing_container(self, e: Exception) -> bool:
+        return _response(e)[0] in self.MISSING_CONTAINER_CODES
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -330,7 +333,7 @@ class _ObstoreStore(S3Base):
                 try:
                     await obstore.delete_async(c, batch)
                 except FileNotFoundError as e:  # Azure: a batch names a key that was missing (the rest are gone)
-                    if _response(e)[0] in self.MISSING_CONTAINER_CODES:
+                    if self._missing_container(e):
                         raise
                     await self._delete_each(c, batch)
 
@@ -345,7 +348,7 @@ class _ObstoreStore(S3Base):
                 try:
                     await obstore.delete_async(c, key)
                 except FileNotFoundError as e:
-                    if _response(e)[0] in self.MISSING_CONTAINER_CODES:
+                    if self._missing_container(e):
                         raise
 
         async with task_group() as tg:
@@ -403,11 +406,10 @@ class ObstoreS3Store(_ObstoreStore):
             config["access_key_id"], config["secret_access_key"] = key_id, secret
             if token:
                 config["session_token"] = token
-        options: ClientConfig = {**self._client_options, "allow_http": self.endpoint_url.startswith("http://")}
         return _Client(
             self.bucket,
             config=config,
-            client_options=options,
+            client_options=self._http_options(),
             retry_config={"max_retries": 0},  # retries are ours
             credential_provider=provider,
         )
@@ -452,18 +454,18 @@ class ObstoreAzureStore(_ObstoreStore):
         env = os.environ
         self._account = account_name or env.get("AZURE_STORAGE_ACCOUNT_NAME") or env.get("AZURE_STORAGE_ACCOUNT")
         self._account_key = account_key
+        self._emulator = env.get("AZURE_STORAGE_USE_EMULATOR", "").lower() in ("1", "true")
         super().__init__(container, prefix, endpoint_url=endpoint_url, **options)
-        emulator = env.get("AZURE_STORAGE_USE_EMULATOR", "").lower() in ("1", "true")
         self.endpoint_url = (
             endpoint_url
             or env.get("AZURE_STORAGE_ENDPOINT")
             or env.get("AZURE_ENDPOINT")
-            or (f"http://127.0.0.1:10000/{self._account or 'devstoreaccount1'}" if emulator else "")
+            or (f"http://127.0.0.1:10000/{self._account or 'devstoreaccount1'}" if self._emulator else "")
             or f"https://{self._account or 'ACCOUNT'}.blob.core.windows.net"
         )
 
     def _new_client(self) -> Any:
-        if not self._account and os.environ.get("AZURE_STORAGE_USE_EMULATOR", "").lower() not in ("1", "true"):
+        if not self._account and not self._emulator:
             raise self._no_credentials("no storage account named (AZURE_STORAGE_ACCOUNT_NAME)")
         config: AzureConfig = {}
         if self._account:
@@ -472,5 +474,6 @@ class ObstoreAzureStore(_ObstoreStore):
             config["account_key"] = self._account_key
         if self._endpoint:
             config["endpoint"] = self._endpoint
-        options: ClientConfig = {**self._client_options, "allow_http": self.endpoint_url.startswith("http://")}
-        return _AzureClient(self.bucket, config=config, client_options=options, retry_config={"max_retries": 0})
+        return _AzureClient(
+            self.bucket, config=config, client_options=self._http_options(), retry_config={"max_retries": 0}
+        )

@@ -109,7 +109,7 @@ INTERRUPT_POLL = 0.5  # seconds between looks at whether a waiting request's cal
 POLL_FAST_FOR = 1.0  # seconds the log is read every `poll_min` after it moved or a wait started
 POLL_UNAWAITED = 0.05  # seconds at least between reads of the log while no request waits for a step
 KEEP_BEHIND = 8  # steps of a rank kept cached below the newest one looked up (DataLoader workers lag)
-INLINE_MAX = 256  # bytes: a text or JSON field at most this long has its value in `_meta.json` too
+INLINE_MAX = 256  # bytes: a text or JSON field (and a source) at most this long has its value in `_meta.json` too
 STATUS_NAME = layout.STATUS_NAME.encode()
 META_NAME = layout.META_NAME.encode()
 BATCH_NAME = b"_batch"
@@ -357,7 +357,7 @@ class Slice:
         sources = {  # under a mixture: the source of every sample
             f.key: bytes(raw.data[f.offset : f.offset + f.length]).decode("utf-8", "replace")
             for f in refs
-            if f.field == layout.SOURCE_FIELD and f.tag == "s" and f.length <= 256
+            if f.field == layout.SOURCE_FIELD and f.tag == "s" and f.length <= INLINE_MAX
         }
         values = _inline_values(raw.data, refs)
         meta = orjson.dumps(
