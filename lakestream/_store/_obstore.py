@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 from .._errors import StoreError
 from .._tasks import task_group
 from ._base import Data
+from ._lean import LeanAnswer, LeanGet, LeanUnavailable, botocore_keys, lean_enabled
 from ._s3base import S3Base, retryable_response
 
 __all__ = ["ObstoreAzureStore", "ObstoreS3Store", "usable"]
@@ -70,11 +71,16 @@ _CODE = re.compile(r"<Code>([^<]*)</Code>")
 _MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
 _TRANSPORT = re.compile(r"HTTP error|error sending request|timed out|connection", re.IGNORECASE)
 _BULK = re.compile(r"Bulk delete request failed for key [^\n]{0,2048}?: ([^\n]{0,2048}) \(code: (\d{3})\)")
+_ERROR_BODY = 64 * 1024  # of an error answer, the part read for its code and message
 _BULK_CODES = {"The specified container does not exist.": "ContainerNotFound"}  # Azure's batch says no code
 
 
 def _response(e: BaseException) -> tuple[str, int, str]:
     """(error code, HTTP status, message) of an obstore error: ('', 0, text) if no response came back."""
+    if isinstance(e, LeanAnswer):  # an answer to the lean GET: the body is the server's (bounded here)
+        text = e.body[:_ERROR_BODY].decode("utf-8", "replace")
+        code, message = _CODE.search(text), _MESSAGE.search(text)
+        return code.group(1) if code else "", e.status, message.group(1) if message else f"HTTP {e.status}"
     text = str(e).split("\n\nDebug source:", 1)[0]
     if bulk := _BULK.search(text):  # one key's answer within a batch delete
         return _BULK_CODES.get(bulk.group(1), ""), int(bulk.group(2)), bulk.group(1)
@@ -91,6 +97,8 @@ def _response(e: BaseException) -> tuple[str, int, str]:
 def _transient(e: Exception) -> bool:
     """Worth another attempt: throttling or a 5xx response, or no response at all (refused, reset,
     timed out)."""
+    if isinstance(e, LeanAnswer):
+        return retryable_response(*_response(e)[:2])
     if not isinstance(e, BaseError):  # FileNotFoundError: a 404
         return False
     code, status, message = _response(e)
@@ -171,7 +179,9 @@ class _ObstoreStore(S3Base):
             "timeout": _REQUEST_TIMEOUT,
             "pool_max_idle_per_host": str(max_pool_connections),
         }
+        self._timeouts = (connect_timeout, read_timeout, max_pool_connections)
         self._opened_in = os.getpid()
+        self._lean: LeanGet | None = None  # s3://: small GETs without obstore's thread crossings (_lean.py)
 
     def _new_client(self) -> Any:
         raise NotImplementedError
@@ -227,7 +237,7 @@ class _ObstoreStore(S3Base):
             key,
             once,
             transient=_transient,
-            client_error=(BaseError, FileNotFoundError),
+            client_error=(BaseError, FileNotFoundError, LeanAnswer),
             translate=self._translate,
         )
 
@@ -238,6 +248,11 @@ class _ObstoreStore(S3Base):
         full = self._key(key)
 
         async def attempt(c: Any) -> bytes:
+            if (lean := self._lean) is not None and not lean.resting():
+                try:
+                    return await lean.get(full)
+                except LeanUnavailable:
+                    pass  # obstore answers this one
             result = await obstore.get_async(c, full)
             return bytes(await result.bytes_async())
 
@@ -358,6 +373,9 @@ class _ObstoreStore(S3Base):
     async def aclose(self) -> None:
         """Drop the client and its connections. Idempotent."""
         self._client = None
+        if self._lean is not None:
+            self._lean.close()
+            self._lean = None
 
     async def __aenter__(self) -> Self:
         return self
@@ -372,6 +390,7 @@ class ObstoreS3Store(_ObstoreStore):
 
     def _configure(self, *, max_pool_connections: int, connect_timeout: float, read_timeout: float) -> None:
         self._checksum = _checksum_config()  # read when the store is opened, so that a bad value fails there
+        self._lean_on = lean_enabled()
         super()._configure(
             max_pool_connections=max_pool_connections, connect_timeout=connect_timeout, read_timeout=read_timeout
         )
@@ -406,6 +425,21 @@ class ObstoreS3Store(_ObstoreStore):
             config["access_key_id"], config["secret_access_key"] = key_id, secret
             if token:
                 config["session_token"] = token
+        keys = (key_id, secret, token) if key_id and secret else provider and botocore_keys(provider.credentials)
+        if self._lean_on and keys and not LeanGet.proxied(self.endpoint_url):
+            connect_timeout, read_timeout, pool = self._timeouts
+            try:
+                self._lean = LeanGet(
+                    self.endpoint_url,
+                    self.bucket,
+                    config["region"],
+                    keys,
+                    connect_timeout=connect_timeout,
+                    read_timeout=read_timeout,
+                    pool=pool,
+                )
+            except ValueError:  # an endpoint with a path: obstore alone
+                self._lean = None
         return _Client(
             self.bucket,
             config=config,

@@ -1,0 +1,216 @@
+"""The lean GET of `s3://` on obstore (`_store/_lean.py`): against a real SeaweedFS, and against
+stand-in servers on loopback that answer badly (hostile heads, bodies in chunks, huge lengths,
+dropped connections, silence)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from s3server import S3Server, free_ports
+
+from lakestream._errors import AccessDenied, BucketNotFound, ObjectNotFound, StoreUnavailable
+from lakestream._store import open_store
+from lakestream._store._lean import MAX_BODY, LeanAnswer, LeanGet, LeanUnavailable
+
+pytestmark = pytest.mark.s3
+
+KEYS = ("k", "s", None)
+
+
+@pytest.fixture
+def obstore_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LAKESTREAM_S3_CLIENT", "obstore")
+    monkeypatch.delenv("LAKESTREAM_S3_LEAN_GET", raising=False)
+
+
+async def test_gets_are_answered_by_the_lean_path_and_agree_with_obstore(s3_url: str, obstore_client: None) -> None:
+    async with open_store(s3_url) as store:
+        payload = bytes(range(256)) * 41
+        await store.put("_lakestream/log/000001", payload)
+        await store.put("odd key/ü é+%~", b"odd")
+        assert await store.get("_lakestream/log/000001") == payload
+        lean = store._lean  # type: ignore[attr-defined]
+        assert isinstance(lean, LeanGet)
+        assert await store.get("odd key/ü é+%~") == b"odd"  # the path is encoded as it is signed
+        with pytest.raises(ObjectNotFound, match="_lakestream/log/000002"):
+            await store.get("_lakestream/log/000002")
+        assert lean.answered == 3 and len(lean._idle) == 1  # one kept connection served all three
+        assert not lean.resting()
+
+
+async def test_the_lean_path_is_off_when_asked_and_a_bad_setting_fails_on_open(
+    s3_url: str, obstore_client: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LAKESTREAM_S3_LEAN_GET", "0")
+    async with open_store(s3_url) as store:
+        await store.put("a", b"1")
+        assert await store.get("a") == b"1"
+        assert store._lean is None  # type: ignore[attr-defined]
+    monkeypatch.setenv("LAKESTREAM_S3_LEAN_GET", "maybe")
+    with pytest.raises(ValueError, match="LAKESTREAM_S3_LEAN_GET"):
+        open_store(s3_url)
+
+
+async def test_a_proxy_in_the_environment_leaves_gets_to_obstore(
+    s3_server: S3Server, s3_url: str, obstore_client: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    assert LeanGet.proxied(s3_server.endpoint_url)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    assert not LeanGet.proxied(s3_server.endpoint_url)
+    monkeypatch.delenv("NO_PROXY")
+    async with open_store(s3_url) as store:
+        assert store._lean is None  # type: ignore[attr-defined]
+    monkeypatch.delenv("HTTP_PROXY")
+
+
+async def test_error_answers_become_the_same_errors_as_obstore_gives(
+    s3_server: S3Server, s3_url: str, obstore_client: None
+) -> None:
+    async with open_store(s3_url, aws_secret_access_key="wrong") as store:
+        with pytest.raises(AccessDenied):
+            await store.get("_lakestream/x")
+        assert store._lean.answered == 1  # type: ignore[attr-defined]
+    async with open_store("s3://lakestream-no-such-bucket/p") as store:
+        with pytest.raises(BucketNotFound, match="lakestream-no-such-bucket"):
+            await store.get("_lakestream/x")
+        assert store._lean.answered == 1  # type: ignore[attr-defined]
+
+
+# -- stand-in servers --------------------------------------------------------------------------------
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def serving(handler: Handler) -> AsyncIterator[tuple[str, list[int]]]:
+    """A loopback server running `handler` per connection: (endpoint, [connections accepted])."""
+    accepted = [0]
+
+    async def on_connect(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        accepted[0] += 1
+        try:
+            await handler(r, w)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            w.close()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", accepted
+    finally:
+        server.close()
+
+
+def lean(endpoint: str, read_timeout: float = 5.0) -> LeanGet:
+    return LeanGet(endpoint, "b", "us-east-1", KEYS, connect_timeout=2.0, read_timeout=read_timeout, pool=4)
+
+
+def answering(*responses: bytes, then_close: bool = False) -> Handler:
+    """Answer each request on a connection with the next response (the last one again)."""
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        n = 0
+        while True:
+            await r.readuntil(b"\r\n\r\n")
+            w.write(responses[min(n, len(responses) - 1)])
+            await w.drain()
+            n += 1
+            if then_close:
+                return
+
+    return handler
+
+
+def ok(body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+async def test_a_kept_connection_serves_later_gets_and_an_error_answer_is_an_answer() -> None:
+    body = b"<Error><Code>SlowDown</Code></Error>"
+    slow = b"HTTP/1.1 503 Slow Down\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    async with serving(answering(ok(b"one"), ok(b""), slow, ok(b"x" * 300_000))) as (url, accepted):
+        g = lean(url)
+        assert await g.get("p/a") == b"one"
+        assert await g.get("p/a") == b""
+        with pytest.raises(LeanAnswer) as info:
+            await g.get("p/a")
+        assert info.value.status == 503 and info.value.body == body
+        assert await g.get("p/a") == b"x" * 300_000
+        assert accepted == [1]
+
+
+async def test_a_connection_the_server_closed_while_idle_is_replaced_once() -> None:
+    async with serving(answering(ok(b"one"), then_close=True)) as (url, accepted):
+        g = lean(url)
+        assert await g.get("a") == b"one"
+        await asyncio.sleep(0.05)
+        assert await g.get("a") == b"one"
+        assert accepted == [2]
+
+
+@pytest.mark.parametrize(
+    "response, why",
+    [
+        (b"SSH-2.0-OpenSSH\r\n\r\n", "status line"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\none\r\n0\r\n\r\n", "chunks"),
+        (b"HTTP/1.1 200 OK\r\n\r\none", "no Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: -3\r\n\r\n", "Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\none", "Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY + 1), "a body of"),
+        (b"HTTP/1.1 200 OK\r\nX: " + b"y" * 70_000 + b"\r\n\r\n", "head too long"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "closed"),
+    ],
+    ids=["not-http", "chunked", "no-length", "negative", "two-lengths", "huge", "long-head", "cut-off"],
+)
+async def test_a_malformed_answer_is_left_to_obstore_and_its_connection_dropped(response: bytes, why: str) -> None:
+    async with serving(answering(response, then_close=True)) as (url, _):
+        g = lean(url)
+        with pytest.raises(LeanUnavailable, match=why):
+            await g.get("a")
+        assert g._idle == [] and not g.resting()  # an answer came: the path stays, the connection goes
+
+
+async def test_silence_times_out_and_a_cancelled_get_leaves_no_connection_to_reuse() -> None:
+    async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readuntil(b"\r\n\r\n")
+        await asyncio.sleep(30)
+
+    async with serving(silent) as (url, accepted):
+        g = lean(url, read_timeout=0.2)
+        with pytest.raises(LeanUnavailable, match="in time"):
+            await g.get("a")
+        task = asyncio.ensure_future(g.get("a"))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert g._idle == [] and accepted == [2]
+
+
+async def test_a_refused_connection_rests_the_lean_path_and_the_store_still_answers(
+    obstore_client: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (port,) = free_ports(1)
+    g = lean(f"http://127.0.0.1:{port}")
+    with pytest.raises(LeanUnavailable, match="connect"):
+        await g.get("a")
+    assert g.resting()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    async with open_store("s3://b/p", endpoint_url=f"http://127.0.0.1:{port}", retry_timeout=1) as store:
+        with pytest.raises(StoreUnavailable, match="unreachable"):  # obstore's answer, as before
+            await store.get("_lakestream/x")
+        assert store._lean.resting()  # type: ignore[attr-defined]
+
+
+def test_an_endpoint_with_a_path_is_not_served() -> None:
+    with pytest.raises(ValueError, match="does not serve"):
+        lean("http://127.0.0.1:9000/some/path")
+    with pytest.raises(ValueError, match="does not serve"):
+        lean("ftp://127.0.0.1:9000")
