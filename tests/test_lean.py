@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -37,7 +38,7 @@ async def test_gets_are_answered_by_the_lean_path_and_agree_with_obstore(s3_url:
         assert await store.get("odd key/ü é+%~") == b"odd"  # the path is encoded as it is signed
         with pytest.raises(ObjectNotFound, match="_lakestream/log/000002"):
             await store.get("_lakestream/log/000002")
-        assert lean.answered == 3 and len(lean._idle) == 1  # one kept connection served all three
+        assert lean.answered == 3 and sum(map(len, lean._pools.values())) == 1  # one kept connection served all three
         assert not lean.resting()
 
 
@@ -173,7 +174,7 @@ async def test_a_malformed_answer_is_left_to_obstore_and_its_connection_dropped(
         g = lean(url)
         with pytest.raises(LeanUnavailable, match=why):
             await g.get("a")
-        assert g._idle == [] and not g.resting()  # an answer came: the path stays, the connection goes
+        assert not any(g._pools.values()) and not g.resting()  # an answer came: the path stays, the connection goes
 
 
 async def test_silence_times_out_and_a_cancelled_get_leaves_no_connection_to_reuse() -> None:
@@ -190,7 +191,7 @@ async def test_silence_times_out_and_a_cancelled_get_leaves_no_connection_to_reu
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert g._idle == [] and accepted == [2]
+        assert not any(g._pools.values()) and accepted == [2]
 
 
 async def test_a_refused_connection_rests_the_lean_path_and_the_store_still_answers(
@@ -214,3 +215,27 @@ def test_an_endpoint_with_a_path_is_not_served() -> None:
         lean("http://127.0.0.1:9000/some/path")
     with pytest.raises(ValueError, match="does not serve"):
         lean("ftp://127.0.0.1:9000")
+
+
+def test_one_store_serves_event_loops_in_two_threads_each_on_its_own_connections(
+    s3_url: str, obstore_client: None
+) -> None:
+    store = open_store(s3_url)
+    asyncio.run(store.put("_lakestream/a", b"1"))
+    got: list[bytes] = []
+
+    def reads() -> None:
+        async def many() -> None:
+            for _ in range(40):
+                got.append(await store.get("_lakestream/a"))
+                await asyncio.sleep(0)
+
+        asyncio.run(many())
+
+    threads = [threading.Thread(target=reads) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [b"1"] * 80
+    assert store._lean.answered == 80  # type: ignore[attr-defined]

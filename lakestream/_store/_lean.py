@@ -25,7 +25,7 @@ import os
 import ssl
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -143,6 +143,24 @@ class _Connection(asyncio.Protocol):
         self.answer.set_result((status, body, keep and have == self.length))
 
 
+class _Pool(list[_Connection]):
+    """The idle connections of one event loop, and an async generator that closes them: a loop
+    that shuts down finalizes the async generators it saw start (`shutdown_asyncgens`), while it
+    can still close their transports."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closer = self._closer()
+
+    async def _closer(self) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            for conn in self:
+                conn.close()
+            self.clear()
+
+
 class LeanGet:
     """GETs of whole objects from one bucket at an endpoint, path-style, with a small pool of
     keep-alive connections on the running event loop (connections of another loop are dropped)."""
@@ -170,8 +188,8 @@ class LeanGet:
         self._credentials = credentials
         self._frozen: tuple[Credentials, float] | None = None
         self.connect_timeout, self.read_timeout, self.pool = connect_timeout, read_timeout, max(1, pool)
-        self._idle: list[_Connection] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # idle connections of each event loop that used this (a store may serve loops in threads)
+        self._pools: dict[asyncio.AbstractEventLoop, _Pool] = {}
         self._rest_until = 0.0
         self.answered = 0  # answers received (any status)
         self._ssl: ssl.SSLContext | None = None
@@ -194,14 +212,11 @@ class LeanGet:
     async def get(self, key: str) -> bytes:
         """The object at `key` (the full key, prefix included). LeanAnswer for another status than
         200; LeanUnavailable if this path could not answer (the caller asks obstore)."""
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:
-            self._idle.clear()  # another loop's: not usable here
-            self._loop = loop
+        idle = await self._idle(asyncio.get_running_loop())
         path = f"/{self.bucket}/{quote(key, safe='/~')}"
         request = await self._request(path)
-        while self._idle:  # a kept connection may have been dropped by the server meanwhile: one retry
-            conn = self._idle.pop()
+        while idle:  # a kept connection may have been dropped by the server meanwhile: try the next
+            conn = idle.pop()
             if conn.lost or time.monotonic() - conn.used > IDLE:
                 conn.close()
                 continue
@@ -211,7 +226,7 @@ class LeanGet:
                 if conn.buf or not conn.lost:  # not a kept connection the server had closed
                     raise
         try:
-            conn = await self._connect(loop)
+            conn = await self._connect()
         except (OSError, TimeoutError, ssl.SSLError) as e:
             self._rest_until = time.monotonic() + REST
             raise LeanUnavailable(f"connect: {e}") from None
@@ -233,16 +248,28 @@ class LeanGet:
         finally:
             conn.answer, conn.head = None, None
             conn.used = time.monotonic()
-            if kept and not conn.lost and len(self._idle) < self.pool:
+            idle: list[_Connection] = self._pools.get(loop, [])
+            if kept and not conn.lost and len(idle) < self.pool:
                 conn.buf.clear()
-                self._idle.append(conn)
+                idle.append(conn)
             else:
                 conn.close()
         if status != 200:
             raise LeanAnswer(status, body)
         return body
 
-    async def _connect(self, loop: asyncio.AbstractEventLoop) -> _Connection:
+    async def _idle(self, loop: asyncio.AbstractEventLoop) -> list[_Connection]:
+        """The idle connections of `loop`: closed when the loop shuts down (asyncio.run, anyio.run),
+        whose transports would otherwise outlive it unclosed."""
+        if (idle := self._pools.get(loop)) is None:
+            for gone in [other for other in self._pools if other.is_closed()]:
+                del self._pools[gone]
+            idle = self._pools[loop] = _Pool()
+            await anext(idle.closer)
+        return idle
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
         if self.https and self._ssl is None:
             self._ssl = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or None)
         async with asyncio.timeout(self.connect_timeout):
@@ -253,14 +280,13 @@ class LeanGet:
 
     def close(self) -> None:
         """Close the idle connections (on the loop they belong to; others are dropped)."""
-        idle, self._idle = self._idle, []
+        pools, self._pools = self._pools, {}
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
-        if running is self._loop:
-            for conn in idle:
-                conn.close()
+        for conn in pools.get(running, []) if running is not None else []:
+            conn.close()
 
     async def _keys(self) -> Credentials:
         if not callable(self._credentials):
