@@ -8,11 +8,12 @@ to four times a step: that was most of what a live reader or a mount spent above
 consumer. aiohttp was measured too, at 0.6-0.85 ms: its request machinery, not the I/O.
 
 Only what these reads need is here: GET, a `Content-Length` body, keep-alive, TLS. Whatever falls
-outside that (a proxy in the environment, a chunked or malformed answer, a connection that fails or
-times out) raises `LeanUnavailable`, and obstore answers that call; after a failed connection the
+outside that (a proxy in the environment, a chunked or malformed answer, a connection that cannot
+be made) raises `LeanUnavailable`, and obstore answers that call; after a failed connection the
 lean path stands aside for `REST` seconds, so a store it cannot reach costs no more than before.
-An error answer (403, 404, 503, ...) is an answer: the caller translates and retries it as it does
-obstore's, so a throttled prefix is not asked twice. What the server sends is bounded before use:
+An error answer (403, 404, 503, ...) is an answer, and no answer (a connection that closed first,
+a read timeout) is `LeanFailed`: the caller translates and retries both as it does obstore's, so
+a throttled or silent server is not asked twice. What the server sends is bounded before use:
 the head to 64 KiB, the body to `MAX_BODY`.
 """
 
@@ -29,7 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-__all__ = ["LeanAnswer", "LeanGet", "LeanUnavailable", "lean_enabled"]
+__all__ = ["LeanAnswer", "LeanFailed", "LeanGet", "LeanUnavailable", "lean_enabled"]
 
 MAX_HEAD = 64 * 1024  # status line and headers
 MAX_BODY = 64 * 1024 * 1024  # a larger object is left to obstore
@@ -41,7 +42,12 @@ Credentials = tuple[str, str, str | None]  # access key id, secret, session toke
 
 
 class LeanUnavailable(Exception):
-    """The lean path could not answer this call (obstore will)."""
+    """The lean path cannot serve this call: obstore will."""
+
+
+class LeanFailed(Exception):
+    """No whole answer: the connection closed first, or none came in time. Retried by the caller
+    as obstore's transport errors are (not asked of obstore too: it would most likely wait as long)."""
 
 
 class LeanAnswer(Exception):
@@ -82,7 +88,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        self._fail("connection closed")
+        if self.answer is not None and not self.answer.done():
+            why = f"connection closed before the whole answer came ({exc or 'by the server'})"
+            self.answer.set_exception(LeanFailed(why))
 
     def data_received(self, data: bytes) -> None:
         if self.answer is None or self.answer.done():  # nothing asked: the connection is out of step
@@ -91,16 +99,12 @@ class _Connection(asyncio.Protocol):
         self.buf += data
         try:
             self._parse()
-        except ValueError as e:
-            self._fail(str(e))
+        except ValueError as e:  # an answer this path does not take (obstore may)
+            self.answer.set_exception(LeanUnavailable(str(e)))
 
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
-
-    def _fail(self, why: str) -> None:
-        if self.answer is not None and not self.answer.done():
-            self.answer.set_exception(LeanUnavailable(why))
 
     def _parse(self) -> None:
         assert self.answer is not None
@@ -222,7 +226,7 @@ class LeanGet:
                 continue
             try:
                 return await self._exchange(conn, request)
-            except LeanUnavailable:
+            except LeanFailed:
                 if conn.buf or not conn.lost:  # not a kept connection the server had closed
                     raise
         try:
@@ -244,7 +248,7 @@ class LeanGet:
                     status, body, kept = await conn.answer
                 self.answered += 1
             except TimeoutError:
-                raise LeanUnavailable("no answer in time") from None
+                raise LeanFailed(f"no answer in {self.read_timeout:g}s") from None
         finally:
             conn.answer, conn.head = None, None
             conn.used = time.monotonic()

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 from .._errors import StoreError
 from .._tasks import task_group
 from ._base import Data
-from ._lean import LeanAnswer, LeanGet, LeanUnavailable, botocore_keys, lean_enabled
+from ._lean import LeanAnswer, LeanFailed, LeanGet, LeanUnavailable, botocore_keys, lean_enabled
 from ._s3base import S3Base, retryable_response
 
 __all__ = ["ObstoreAzureStore", "ObstoreS3Store", "usable"]
@@ -99,6 +99,8 @@ def _transient(e: Exception) -> bool:
     timed out)."""
     if isinstance(e, LeanAnswer):
         return retryable_response(*_response(e)[:2])
+    if isinstance(e, LeanFailed):
+        return True
     if not isinstance(e, BaseError):  # FileNotFoundError: a 404
         return False
     code, status, message = _response(e)
@@ -237,7 +239,7 @@ class _ObstoreStore(S3Base):
             key,
             once,
             transient=_transient,
-            client_error=(BaseError, FileNotFoundError, LeanAnswer),
+            client_error=(BaseError, FileNotFoundError, LeanAnswer, LeanFailed),
             translate=self._translate,
         )
 
