@@ -14,6 +14,12 @@ them. CPU is the process's (`time.process_time`: every thread, so the clients' o
 over the N calls, divided by N; wall time gives throughput. The clients take turns in every round
 (the order alternates), so drift in the machine's load falls on both; the table shows the median
 over the rounds, and the ratio aiobotocore / obstore of each (> 1: obstore is cheaper).
+
+A second table: whole-object `get`s of a small object (300 bytes, a log version) and of a key
+that is not there (a 404: a follower of the log looking for the next version), one at a time, on
+aiobotocore, on obstore with every GET through obstore (`LAKESTREAM_S3_LEAN_GET=0`) and on obstore
+with its default lean GET path (`_store/_lean.py`); CPU per call, median over the rounds, the
+readers taking turns in every round.
 """
 
 from __future__ import annotations
@@ -39,17 +45,22 @@ MODES = {  # objects per size per client per round, rounds
     "smoke": ({"2.35 MB": 3, "4 KiB": 10}, 1),
 }
 WARMUP = 3  # calls of each kind before a client is measured (connections, first-use imports)
+SMALL = 300  # bytes: a version of the log
+SMALL_CALLS = {"full": 2000, "quick": 600, "smoke": 10}  # gets of each kind per round and reader
+READERS = {"aiobotocore": ("aiobotocore", "0"), "obstore": ("obstore", "0"), "obstore, lean GET": ("obstore", "1")}
 
 
-def open_client(client: str, url: str, options: dict[str, Any]) -> Any:
-    """A store on `client`, chosen as a user chooses it (LAKESTREAM_S3_CLIENT, read on open)."""
+def open_client(client: str, url: str, options: dict[str, Any], lean: str = "1") -> Any:
+    """A store on `client`, chosen as a user chooses it (LAKESTREAM_S3_CLIENT and
+    LAKESTREAM_S3_LEAN_GET, read on open)."""
     import lakestream
 
     os.environ["LAKESTREAM_S3_CLIENT"] = client
+    os.environ["LAKESTREAM_S3_LEAN_GET"] = lean
     try:
         return lakestream.open_store(url, **options)
     finally:
-        del os.environ["LAKESTREAM_S3_CLIENT"]
+        del os.environ["LAKESTREAM_S3_CLIENT"], os.environ["LAKESTREAM_S3_LEAN_GET"]
 
 
 async def measure(store: Any, data: bytes, n: int, tag: str) -> dict[str, float]:
@@ -68,6 +79,58 @@ async def measure(store: Any, data: bytes, n: int, tag: str) -> dict[str, float]
     await store.delete(keys)
     mb = n * len(data) / 1e6
     return {"put_cpu": (c1 - c0) / n, "get_cpu": (c2 - c1) / n, "put_mbs": mb / (t1 - t0), "get_mbs": mb / (t2 - t1)}
+
+
+async def measure_small(store: Any, n: int, tag: str) -> dict[str, float]:
+    """CPU seconds per call of n whole-object `get`s of a small object, then of a missing key."""
+    from lakestream import ObjectNotFound
+
+    key = f"{tag}/v"
+    await store.put(key, os.urandom(SMALL))
+    c0 = time.process_time()
+    for _ in range(n):
+        await store.get(key)
+    c1 = time.process_time()
+    for _ in range(n):
+        try:
+            await store.get(f"{tag}/missing")
+        except ObjectNotFound:
+            pass
+        else:
+            raise SystemExit(f"{tag}/missing: found")
+    c2 = time.process_time()
+    await store.delete([key])
+    return {"hit": (c1 - c0) / n, "miss": (c2 - c1) / n}
+
+
+async def run_small(s3: SeaweedS3, n: int, rounds: int) -> dict[str, list[dict[str, float]]]:
+    options = s3.store_options()
+    stores = {r: open_client(c, s3.new_stream(f"small-{c}"), options, lean) for r, (c, lean) in READERS.items()}
+    results: dict[str, list[dict[str, float]]] = {}
+    try:
+        for r, store in stores.items():
+            await measure_small(store, WARMUP, f"warmup-{r[:3]}")
+        for i in range(rounds):
+            for r in READERS if i % 2 == 0 else reversed(list(READERS)):
+                results.setdefault(r, []).append(await measure_small(stores[r], n, f"r{i}"))
+    finally:
+        for store in stores.values():
+            await store.aclose()
+    return results
+
+
+def report_small(results: dict[str, list[dict[str, float]]]) -> None:
+    cpu = {(r, k): statistics.median(f[k] for f in results[r]) for r in READERS for k in ("hit", "miss")}
+    rows = [
+        [
+            what,
+            *(f"{cpu[r, k] * 1e6:,.0f}" for r in READERS),
+            f"{cpu['obstore', k] / cpu['obstore, lean GET', k]:.2f}",
+        ]
+        for what, k in ((f"{SMALL} B object", "hit"), ("missing key (404)", "miss"))
+    ]
+    headers = ["whole-object get", *(f"{r} CPU µs" for r in READERS), "obstore / lean"]
+    print(format_table(headers, rows, "lrrrr"))
 
 
 async def run(s3: SeaweedS3, counts: dict[str, int], rounds: int) -> dict[tuple[str, str], list[dict[str, float]]]:
@@ -142,8 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at start: {load_average()}", flush=True)
     with SeaweedS3() as s3:
         results = asyncio.run(run(s3, counts, rounds))
+        small = asyncio.run(run_small(s3, SMALL_CALLS[mode], rounds))
     print()
     report(results)
+    print()
+    print(f"whole-object gets, {SMALL_CALLS[mode]} of each kind per round and reader, {rounds} rounds:")
+    report_small(small)
     print(f"load average at end: {load_average()}; total time {time.perf_counter() - t0:.1f} s")
     return 0
 
