@@ -257,3 +257,55 @@ async def test_an_answer_cut_off_is_retried_by_the_store_not_asked_of_obstore_to
                 await store.get("_lakestream/x")
             assert store._lean.answered == 0 and not store._lean.resting()  # type: ignore[attr-defined]
         assert accepted == [4]
+
+
+async def test_ranges_are_read_into_writable_memory_of_their_own(s3_url: str, obstore_client: None) -> None:
+    async with open_store(s3_url) as store:
+        payload = bytes(range(256)) * 10_000  # 2.56 MB: pooled memory
+        await store.put("seg", payload)
+        whole = await store.get_range("seg", 0, len(payload))
+        assert isinstance(whole, memoryview) and not whole.readonly and whole == payload
+        assert await store.get_range("seg", 1000, 77) == payload[1000:1077]
+        assert await store.get_range("seg", len(payload) - 5, 100) == payload[-5:]  # fewer at the end
+        assert await store.get_range("seg", len(payload), 10) == b""  # past the end: 416
+        with pytest.raises(ObjectNotFound, match="nope"):
+            await store.get_range("nope", 0, 10)
+        assert store._lean.answered == 5  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "response, why",
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabc", "a whole object for a ranged GET"),
+        (b"HTTP/1.1 206 Partial\r\nContent-Length: 11\r\n\r\nabcdefghijk", "a range of 11 bytes"),
+        (b"HTTP/1.1 206 Partial\r\nContent-Range: bytes 0-2/9\r\nContent-Length: 3\r\n\r\nabc", "from 0 for 4 from 5"),
+    ],
+    ids=["ignored-range", "longer", "elsewhere"],
+)
+async def test_a_range_answered_otherwise_than_asked_is_left_to_obstore(response: bytes, why: str) -> None:
+    async with serving(answering(response)) as (url, _):
+        g = lean(url)
+        with pytest.raises(LeanUnavailable, match=why):
+            await g.get_range("a", 5, 4)
+
+
+async def test_a_range_answered_in_pieces_is_whole_and_the_connection_kept() -> None:
+    body = bytes(range(200)) * 2000
+
+    async def pieces(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            await r.readuntil(b"\r\n\r\n")
+            w.write(b"HTTP/1.1 206 Partial\r\nContent-Range: bytes 7-%d/999999\r\n" % (7 + len(body) - 1))
+            await w.drain()
+            await asyncio.sleep(0.01)
+            w.write(b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:1000]))
+            await w.drain()
+            await asyncio.sleep(0.01)
+            w.write(body[1000:])
+            await w.drain()
+
+    async with serving(pieces) as (url, accepted):
+        g = lean(url)
+        for _ in range(2):
+            assert await g.get_range("a", 7, len(body)) == body
+        assert accepted == [1]

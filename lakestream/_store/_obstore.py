@@ -270,6 +270,15 @@ class _ObstoreStore(S3Base):
             return b""
 
         async def attempt(c: Any) -> bytes:
+            if (lean := self._lean) is not None and not lean.resting():
+                try:
+                    return await lean.get_range(full, offset, length)  # type: ignore[return-value]
+                except LeanUnavailable:
+                    pass  # obstore answers this one
+                except LeanAnswer as e:
+                    if e.status == 416:  # at or past the end
+                        return b""
+                    raise
             try:
                 data = await obstore.get_range_async(c, full, start=offset, length=length)
             except BaseError as e:
