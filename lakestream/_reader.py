@@ -88,7 +88,7 @@ class RawSlice:
     its array blocks by field. A field of a block (tag `a`) is its sample's row of the block: the
     array's data, with no `.npy` header (`npy_header(block.dtype, block.shape)` is the one a
     `.npy` file of it starts with); the block is `block.array(data)`, all rows back to back.
-    `data` is `bytes` or a read-only buffer that does not change (an S3 response's)."""
+    `data` is `bytes` or a buffer nothing else writes to (an S3 response's, a pooled read)."""
 
     entry: Step
     rank: int
@@ -641,7 +641,7 @@ class Reader:
 
     async def fetch_raw(self, entry: Step, rank: int) -> RawSlice:
         """Any rank's slice of a committed step, checked and indexed but not decoded: the store's
-        buffer itself (`bytes`, an S3 response's read-only buffer, a file store's pooled read),
+        buffer itself (`bytes`, an S3 response's buffer, a store's pooled read),
         which nothing else writes to."""
         if not 0 <= rank < len(entry.ranks):
             raise ValueError(f"{self.url}: rank {rank} is out of range for world size {len(entry.ranks)}")

@@ -261,8 +261,9 @@ class _ObstoreStore(S3Base):
         return await self._run("get", key, attempt)
 
     async def get_range(self, key: str, offset: int, length: int) -> bytes:
-        """`length` bytes from `offset` (fewer at the end of the object), as a read-only memoryview
-        of the buffer the response was read into (no copy). Raises ObjectNotFound."""
+        """`length` bytes from `offset` (fewer at the end of the object), as a memoryview of the
+        buffer the response was read into (no copy): pooled writable memory of the caller's own
+        from the lean GET, obstore's read-only buffer else. Raises ObjectNotFound."""
         if offset < 0 or length < 0:
             raise ValueError(f"invalid range offset={offset} length={length}")
         full = self._key(key)
