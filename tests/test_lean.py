@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
+import anyio
 import pytest
 from s3server import S3Server, free_ports
 
@@ -309,3 +312,26 @@ async def test_a_range_answered_in_pieces_is_whole_and_the_connection_kept() -> 
         for _ in range(2):
             assert await g.get_range("a", 7, len(body)) == body
         assert accepted == [1]
+
+
+async def test_https_with_the_certificate_authorities_of_aws_ca_bundle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TLS, as on S3 itself: a server whose certificate only AWS_CA_BUNDLE vouches for."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    openssl = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"]
+    await anyio.run_process([*openssl, "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", key, "-out", cert])
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    handler = answering(ok(b"secret"))
+    server = await asyncio.start_server(handler, "127.0.0.1", 0, ssl=context)
+    url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        with pytest.raises(LeanUnavailable, match="CERTIFICATE_VERIFY_FAILED"):  # not trusted by default
+            await lean(url).get("a")
+        monkeypatch.setenv("AWS_CA_BUNDLE", str(cert))
+        g = lean(url)
+        assert await g.get("a") == b"secret" and await g.get("a") == b"secret"
+        g.close()
+    finally:
+        server.close()
