@@ -335,3 +335,11 @@ async def test_https_with_the_certificate_authorities_of_aws_ca_bundle(
         g.close()
     finally:
         server.close()
+
+
+async def test_an_answer_followed_by_bytes_nobody_asked_for_leaves_its_connection_unused() -> None:
+    async with serving(answering(ok(b"one") + b"HTTP/1.1 200 OK\r\n")) as (url, accepted):
+        g = lean(url)
+        assert await g.get("a") == b"one"
+        assert await g.get("a") == b"one"
+        assert accepted == [2]

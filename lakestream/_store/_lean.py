@@ -129,6 +129,10 @@ class _Connection(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.close()
 
+    def usable(self) -> bool:
+        """Open, and not being closed by either side."""
+        return not self.lost and self.transport is not None and not self.transport.is_closing()
+
     def _head(self) -> None:
         end = self.scratch.find(b"\r\n\r\n", 0, self.filled)
         if end < 0:
@@ -264,7 +268,7 @@ class LeanGet:
         request = await self._request(path, asked)
         while idle:  # a kept connection may have been dropped by the server meanwhile: try the next
             conn = idle.pop()
-            if conn.lost or time.monotonic() - conn.used > IDLE:
+            if not conn.usable() or time.monotonic() - conn.used > IDLE:
                 conn.close()
                 continue
             try:
@@ -297,7 +301,7 @@ class LeanGet:
             conn.answer = None
             conn.used = time.monotonic()
             idle: list[_Connection] = self._pools.get(loop, [])
-            if kept and not conn.lost and len(idle) < self.pool:
+            if kept and conn.usable() and len(idle) < self.pool:
                 conn.reset(None)
                 idle.append(conn)
             else:
