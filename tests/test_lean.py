@@ -189,7 +189,9 @@ async def test_silence_times_out_and_a_cancelled_get_leaves_no_connection_to_reu
         with pytest.raises(LeanFailed, match=r"no answer in 0\.2s"):
             await g.get("a")
         task = asyncio.ensure_future(g.get("a"))
-        await asyncio.sleep(0.05)
+        while accepted[0] < 2:  # the request is on its way (the server reads it, then says nothing)
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.02)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

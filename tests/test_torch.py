@@ -210,11 +210,12 @@ def _memory_owner(a: Any) -> Any:
             return a
 
 
-async def test_a_raw_slice_is_the_store_buffer(stream_url: str) -> None:
+async def test_a_raw_slice_is_the_store_buffer(stream_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the mount serves: the buffer the store read the slice into, as it is (no copy of 1 MiB
     a step): a file's range, and an S3 response's body (the lean GET reads it straight into
     memory), each in pooled memory of the reader's own (the file could change after the check:
     what was checked is what is served)."""
+    monkeypatch.delenv("LAKESTREAM_S3_LEAN_GET", raising=False)  # on, as by default
     await lakestream.create(stream_url, world_size=1, global_batch=2)
     async with lakestream.open_producer(stream_url, "p") as p:
         for i in range(2):

@@ -14,7 +14,10 @@ and retried, and an upload cut off after its headers is never stored as an empty
 `x-amz-checksum-crc64nvme` over an unsigned payload (the header itself is signed): a signed payload
 needs the body's SHA-256, 1.6 ms of CPU a 2.35 MB segment against about 0.2 for the CRC.
 `LAKESTREAM_S3_CHECKSUM=sha256` signs the payload and sends `x-amz-checksum-sha256` (the same
-hash, so it costs nothing more), for a server that does not know CRC64NVME.
+hash, so it costs nothing more), for a server that does not know CRC64NVME. GETs (whole objects
+and ranges) go first to `_lean.LeanGet`, plain HTTP/1.1 on the event loop without obstore's
+crossings to its threads and back, which leaves to obstore what it does not serve
+(`LAKESTREAM_S3_LEAN_GET=0`: none).
 
 Azure Blob Storage (`az://`): the account, its credentials and the endpoint come from the
 environment variables obstore reads (AZURE_STORAGE_ACCOUNT_NAME, AZURE_STORAGE_ACCOUNT_KEY, a SAS
@@ -76,7 +79,8 @@ _BULK_CODES = {"The specified container does not exist.": "ContainerNotFound"}  
 
 
 def _response(e: BaseException) -> tuple[str, int, str]:
-    """(error code, HTTP status, message) of an obstore error: ('', 0, text) if no response came back."""
+    """(error code, HTTP status, message) of an obstore error or a lean GET's answer: ('', 0, text)
+    if no response came back."""
     if isinstance(e, LeanAnswer):  # an answer to the lean GET: the body is the server's (bounded here)
         text = e.body[:_ERROR_BODY].decode("utf-8", "replace")
         code, message = _CODE.search(text), _MESSAGE.search(text)
@@ -183,7 +187,7 @@ class _ObstoreStore(S3Base):
         }
         self._timeouts = (connect_timeout, read_timeout, max_pool_connections)
         self._opened_in = os.getpid()
-        self._lean: LeanGet | None = None  # s3://: small GETs without obstore's thread crossings (_lean.py)
+        self._lean: LeanGet | None = None  # s3://: GETs without obstore's thread crossings (_lean.py)
 
     def _new_client(self) -> Any:
         raise NotImplementedError
