@@ -275,18 +275,14 @@ class _ObstoreStore(S3Base):
             return b""
 
         async def attempt(c: Any) -> bytes:
-            if (lean := self._lean) is not None and not lean.resting():
-                try:
-                    return await lean.get_range(full, offset, length)  # type: ignore[return-value]
-                except LeanUnavailable:
-                    pass  # obstore answers this one
-                except LeanAnswer as e:
-                    if e.status == 416:  # at or past the end
-                        return b""
-                    raise
             try:
+                if (lean := self._lean) is not None and not lean.resting():
+                    try:
+                        return await lean.get_range(full, offset, length)  # type: ignore[return-value]
+                    except LeanUnavailable:
+                        pass  # obstore answers this one
                 data = await obstore.get_range_async(c, full, start=offset, length=length)
-            except BaseError as e:
+            except (BaseError, LeanAnswer) as e:  # either client's answer to a range at or past the end
                 code, status, _ = _response(e)
                 if status == 416 or code == "InvalidRange" or "InvalidRangeRequest" in str(e):  # at or past the end
                     return b""
