@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import torch
 
-from lakestream._buffers import GRAIN, MIN_POOLED, BufferPool
+from lakestream._buffers import GRAIN, MIN_POOLED, PAGE, BufferPool, block_size
 
 N = MIN_POOLED + 12_345
 
@@ -27,7 +27,7 @@ def test_a_block_returns_when_the_last_view_of_it_goes() -> None:
     other = pool.take(N)
     assert pool.reused == 0  # so a new block is made
     del tensor
-    assert pool.idle_bytes == -(-N // GRAIN) * GRAIN
+    assert pool.idle_bytes == block_size(N)
     again = pool.take(N - 100)  # same size class
     assert pool.reused == 1 and pool.idle_bytes == 0 and again.nbytes == N - 100
     assert not np.shares_memory(np.frombuffer(again, np.uint8), np.frombuffer(other, np.uint8))
@@ -48,12 +48,12 @@ def test_a_sub_view_or_a_copy_keeps_or_frees_it() -> None:
 
 
 def test_small_requests_are_not_pooled_and_idle_blocks_are_bounded() -> None:
-    pool = BufferPool(max_idle=3 * GRAIN * 8)
+    pool = BufferPool(max_idle=3 * block_size(8 * GRAIN))
     small = pool.take(100)
     assert small.nbytes == 100 and isinstance(small.obj, bytearray)
     bufs = [pool.take(8 * GRAIN) for _ in range(5)]
     del bufs
-    assert pool.idle_bytes == 3 * 8 * GRAIN  # two were freed, not kept
+    assert pool.idle_bytes == 3 * block_size(8 * GRAIN)  # two were freed, not kept
     pool.clear()
     assert pool.idle_bytes == 0
 
@@ -93,3 +93,17 @@ def test_a_forked_child_starts_with_an_empty_pool_and_a_free_lock() -> None:
             os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_buffer_starts_where_the_kernel_copies_into_it_fast() -> None:
+    """64-127 bytes past the source's place in a page, on a 64-byte boundary, for any source
+    offset and however the block was placed (a reused block too)."""
+    pool = BufferPool()
+    for src in [0, 1, 16, 63, 64, 100, 4000, 4095, 4096 + 17, 123_456_789]:
+        for _ in range(2):  # a fresh block, then the same one reused
+            buf = pool.take(N, src)
+            address = np.frombuffer(buf, np.uint8).__array_interface__["data"][0]
+            assert address % 64 == 0 and (address - src) % PAGE in range(64, 128), (src, address)
+            assert buf.nbytes == N
+            del buf
+    assert pool.reused >= 10

@@ -96,7 +96,7 @@ class FileStore:
                 length = max(0, size - offset if length is None else min(length, size - offset))
                 if most is not None and length > most:
                     return None
-                buf = pool.take(length) if pooled else memoryview(bytearray(length))
+                buf = pool.take(length, offset) if pooled else memoryview(bytearray(length))
                 got = 0
                 while got < length:
                     n = os.preadv(fd, [buf[got:]], offset + got, flags)
