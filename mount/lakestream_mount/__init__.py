@@ -7,6 +7,7 @@ this one.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import select
@@ -74,6 +75,10 @@ async def _serve(
         _raise_readahead(mountpoint)
         of = f", job {job}" if job is not None else ""
         print(f"mounted {url} at {mountpoint} (ranks {ranks_spec}{of})", flush=True)  # the one line on stdout
+        # What the imports and the start made lives as long as the process: out of the collector's
+        # way, so that its full collections walk what serving makes, not ~47,000 objects more (one
+        # took ~35 ms, about 15 µs a sample of a floor run's daemon CPU).
+        gc.freeze()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, fs.shutdown)
