@@ -70,6 +70,16 @@ def test_ingest_bench_smoke() -> None:
         assert re.search(rf"^target {target}.* [<>]= [\d.]+x: (met|NOT met) \(\d+\.\d\dx\)$", floor, re.M), target
 
 
+def test_ingest_codec_bench_smoke() -> None:
+    out = run_bench("ingest.py", "--codec")
+    for name in ("zlib.crc32", "crc32c", "xxh3-64"):
+        assert re.search(rf"^\| 2\.2 MiB +\| +{name} \| +[\d.]+ \| +[\d.]+ \|$", out, re.M), (name, out[-3000:])
+    for buffer in ("0 bytes past the source", "16 bytes past the source", "pool.take(n, src)"):
+        assert re.search(rf"^\| {re.escape(buffer)} +\| +\d+ \| +[\d.]+ \|$", out, re.M), (buffer, out[-3000:])
+    for collate in (True, False):
+        assert re.search(rf"^\| collate={collate} +\| +128 \| +\d+ \| +\d+ \|$", out, re.M), (collate, out[-3000:])
+
+
 @pytest.mark.skipif(not MOUNT, reason="needs /dev/fuse")
 def test_mount_bench_smoke() -> None:
     out = run_bench("mount.py")
