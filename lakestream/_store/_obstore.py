@@ -118,14 +118,14 @@ class _BotocoreCredentials:
     refreshes temporary credentials itself; obstore asks again every few minutes."""
 
     def __init__(self, credentials: Any) -> None:
-        self.credentials = credentials
+        self.keys = botocore_keys(credentials)  # the lean GET's, over the same chain
 
     def __call__(self) -> S3Credential:
-        frozen = self.credentials.get_frozen_credentials()
+        key_id, secret, token = self.keys()
         return {
-            "access_key_id": frozen.access_key,
-            "secret_access_key": frozen.secret_key,
-            "token": frozen.token,
+            "access_key_id": key_id,
+            "secret_access_key": secret,
+            "token": token,
             "expires_at": datetime.now(UTC) + timedelta(minutes=5),
         }
 
@@ -249,16 +249,23 @@ class _ObstoreStore(S3Base):
 
     # -- the protocol ----------------------------------------------------------------------------
 
+    async def _lean_first(self, fetch: Callable[[LeanGet], Awaitable[T]]) -> T | None:
+        """The lean GET's answer; None where it does not serve the call (obstore answers it)."""
+        lean = self._lean
+        if lean is None or lean.resting():
+            return None
+        try:
+            return await fetch(lean)
+        except LeanUnavailable:
+            return None
+
     async def get(self, key: str) -> bytes:
         """The whole object. Raises ObjectNotFound."""
         full = self._key(key)
 
         async def attempt(c: Any) -> bytes:
-            if (lean := self._lean) is not None and not lean.resting():
-                try:
-                    return await lean.get(full)
-                except LeanUnavailable:
-                    pass  # obstore answers this one
+            if (data := await self._lean_first(lambda lean: lean.get(full))) is not None:
+                return data
             result = await obstore.get_async(c, full)
             return bytes(await result.bytes_async())
 
@@ -276,11 +283,8 @@ class _ObstoreStore(S3Base):
 
         async def attempt(c: Any) -> bytes:
             try:
-                if (lean := self._lean) is not None and not lean.resting():
-                    try:
-                        return await lean.get_range(full, offset, length)  # type: ignore[return-value]
-                    except LeanUnavailable:
-                        pass  # obstore answers this one
+                if (got := await self._lean_first(lambda lean: lean.get_range(full, offset, length))) is not None:
+                    return got  # type: ignore[return-value]  # a memoryview, as the protocol allows
                 data = await obstore.get_range_async(c, full, start=offset, length=length)
             except (BaseError, LeanAnswer) as e:  # either client's answer to a range at or past the end
                 code, status, _ = _response(e)
@@ -437,7 +441,7 @@ class ObstoreS3Store(_ObstoreStore):
             config["access_key_id"], config["secret_access_key"] = key_id, secret
             if token:
                 config["session_token"] = token
-        keys = (key_id, secret, token) if key_id and secret else provider and botocore_keys(provider.credentials)
+        keys = (key_id, secret, token) if key_id and secret else provider and provider.keys
         if self._lean_on and keys and not LeanGet.proxied(self.endpoint_url):
             connect_timeout, read_timeout, pool = self._timeouts
             try:
