@@ -81,7 +81,8 @@ class BufferPool:
             block = np.empty(size, np.uint8)
             got = block, block.__array_interface__["data"][0]
         block, address = got
-        start = ((src % PAGE + 2 * ALIGN - 1) // ALIGN * ALIGN - address) % PAGE
+        want = -(-(src % PAGE + ALIGN) // ALIGN) * ALIGN  # 64-127 bytes past `src`, on a 64-byte boundary
+        start = (want - address) % PAGE
         lease = block[start : start + n]  # a view: `block` stays the pool's, the lease is what users hold
         weakref.finalize(lease, self._give_back, got)
         return lease.data  # a memoryview exported by the lease
