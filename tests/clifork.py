@@ -9,9 +9,13 @@ directory, argv, stdin /dev/null, stdout and stderr on the caller's pipes, the i
 interpreter reads as it starts (other PYTHON* variables, the locale) is run by the caller in a fresh process
 instead (`Server.run`).
 
+`Server.popen` starts such a child as `subprocess.Popen` would (stdin /dev/null, stdout and stderr as
+given) and returns a `Popen` of it (`ForkedPopen`): the same pipes, `poll`, `wait`, `communicate` and
+signals, its exit status told by the server, which is its parent.
+
 Protocol, on an abstract Unix socket, one connection per request: the client sends a 4-byte length and a
-JSON request {argv, env, cwd} with the write ends of its stdout and stderr pipes attached; the server
-answers "PID\n" once the child runs, then "STATUS\n" (as `Popen.returncode`: -N for signal N) when it ends.
+JSON request {argv, env, cwd} with the child's stdin, stdout and stderr attached; the server answers
+"PID\n" once the child runs, then "STATUS\n" (as `Popen.returncode`: -N for signal N) when it ends.
 The server ends when its stdin (a pipe from the test process) closes. Standard library only, so that the
 server's one import of note is the CLI's.
 """
@@ -113,7 +117,7 @@ def _serve(address: str) -> dict[str, Any]:
 
 
 def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
-    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 2)
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
     if not data:
         raise EOFError("no request")
     while len(data) < 4 or len(data) < 4 + struct.unpack("<I", data[:4])[0]:
@@ -126,10 +130,10 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
 
 def _child(request: dict[str, Any]) -> None:
     """Make this fork of the server the process `python -m lakestream._cli ARGS` would have been."""
-    out, err = request["fds"]
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    for fd, target in ((devnull, 0), (out, 1), (err, 2)):
+    fds = request["fds"]
+    for target, fd in enumerate(fds):
         os.dup2(fd, target)
+    for fd in set(fds) - {0, 1, 2}:
         os.close(fd)
     os.chdir(request["cwd"])
     base = _search_path(os.environ.get("PYTHONPATH"))
@@ -209,17 +213,90 @@ class Server:
             return subprocess.run(
                 cmd, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
             )
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(self._address)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
+        devnull = os.open(os.devnull, os.O_RDONLY)
         try:
-            payload = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode()
-            socket.send_fds(conn, [struct.pack("<I", len(payload)) + payload], [out_w, err_w])
+            conn = self._request(argv, env, os.getcwd(), [devnull, out_w, err_w])
         finally:
-            os.close(out_w)
-            os.close(err_w)
+            for fd in (devnull, out_w, err_w):
+                os.close(fd)
         return _collect(cmd, conn, out_r, err_r, timeout)
+
+    def popen(self, argv: list[str], env: dict[str, str], **popen: Any) -> subprocess.Popen[str]:
+        """`subprocess.Popen([*LAKESTREAM, *argv], env=env, stdin=DEVNULL, text=True, **popen)`, its process a fork
+        of the server where that gives the same process: `popen` may name `stdout` and `stderr` only."""
+        cmd = [sys.executable, "-m", MODULE, *argv]
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        if startup_vars(env) != self._startup or set(popen) - {"stdout", "stderr"}:
+            return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, text=True, **popen)
+        return ForkedPopen(self, cmd, env=env, stdin=subprocess.DEVNULL, text=True, **popen)
+
+    def _request(self, argv: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> socket.socket:
+        """Ask for a child running `argv` on `fds` (its stdin, stdout, stderr): the connection its answers come on."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(self._address)
+            payload = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
+            socket.send_fds(conn, [struct.pack("<I", len(payload)) + payload], fds)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+
+class ForkedPopen(subprocess.Popen[str]):
+    """A `Popen` whose process the server forks instead of this process starting it (`Server.popen`).
+
+    Only how the child starts and how its exit status is learnt differ: `_execute_child` sends the request
+    with the child's ends of the pipes `Popen` made, and the status the server reads with `waitpid` (it is the
+    parent) comes back on the request's connection, where `_try_wait` reads it."""
+
+    def __init__(self, server: Server, cmd: list[str], **popen: Any) -> None:
+        self._server = server
+        self._answers: list[bytes] = []
+        self._conn: socket.socket | None = None
+        super().__init__(cmd, **popen)
+
+    def _execute_child(self, args: Any, executable: Any, preexec_fn: Any, close_fds: Any, pass_fds: Any, cwd: Any,
+                       env: Any, startupinfo: Any, creationflags: Any, shell: Any, p2cread: int, p2cwrite: int,
+                       c2pread: int, c2pwrite: int, errread: int, errwrite: int, *rest: Any) -> None:  # fmt: skip
+        try:
+            fds = [p2cread, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2]
+            self._conn = self._server._request(args[3:], env, os.fspath(cwd or os.getcwd()), fds)
+            self.pid = _answers(self._answers, self._conn)[0]
+            self._child_created = True
+        finally:
+            self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+
+    def _try_wait(self, wait_flags: int) -> tuple[int, int]:
+        """(pid, wait status) once the server has told the exit status, else (0, 0) under WNOHANG."""
+        if self._conn is None:
+            return 0, 0
+        self._conn.setblocking(not wait_flags & os.WNOHANG)
+        try:
+            code = _answers(self._answers, self._conn, 2)[1]
+        except BlockingIOError:
+            return 0, 0
+        self._conn.close()
+        self._conn = None
+        return self.pid, (code & 0xFF) << 8 if code >= 0 else -code
+
+    def _internal_poll(self, _deadstate: int | None = None, **_: Any) -> int | None:
+        """As `Popen._internal_poll`, by `_try_wait` rather than `waitpid` (the child is not this process's)."""
+        if self.returncode is None and self._waitpid_lock.acquire(False):
+            try:
+                if self.returncode is None:
+                    pid, status = self._try_wait(os.WNOHANG)
+                    if pid == self.pid:
+                        self._handle_exitstatus(status)
+            except OSError:
+                if _deadstate is not None:
+                    self.returncode = _deadstate
+            finally:
+                self._waitpid_lock.release()
+        return self.returncode
 
 
 def _collect(

@@ -100,13 +100,20 @@ def describe(r: subprocess.CompletedProcess[str]) -> str:
     return f"lakestream {cmd}: exit {r.returncode}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}"
 
 
-def spawn_cli(*args: Any, env: Mapping[str, str] | None = None, **popen: Any) -> subprocess.Popen[str]:
-    """Start `lakestream ARGS...`; stdout and stderr are text pipes unless overridden."""
+def spawn_cli(
+    *args: Any, env: Mapping[str, str] | None = None, fresh: bool = FRESH, **popen: Any
+) -> subprocess.Popen[str]:
+    """Start `lakestream ARGS...` (stdin /dev/null); stdout and stderr are text pipes unless overridden.
+
+    As `run_cli`, in a fork of a process that has imported the CLI unless `fresh` (clifork.py): a `Popen`
+    all the same, whose process can be signalled, polled and waited for."""
     popen.setdefault("stdout", subprocess.PIPE)
     popen.setdefault("stderr", subprocess.PIPE)
-    return subprocess.Popen(
-        [*LAKESTREAM, *map(str, args)], env=cli_env(env), text=True, stdin=subprocess.DEVNULL, **popen
-    )
+    if fresh:
+        return subprocess.Popen(
+            [*LAKESTREAM, *map(str, args)], env=cli_env(env), text=True, stdin=subprocess.DEVNULL, **popen
+        )
+    return _fork_server.popen([str(a) for a in args], cli_env(env), **popen)
 
 
 def make_source_dir(

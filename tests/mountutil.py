@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cliutil import LAKESTREAM, cli_env
+from cliutil import spawn_cli
 
 from lakestream_mount._mounts import mounts_at
 
@@ -43,7 +43,7 @@ class MountProc:
         self.mountpoint = Path(mountpoint)
         self.log_path = Path(log_path)
         self.args = [str(a) for a in args]
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[str] | None = None
 
     @property
     def pid(self) -> int:
@@ -53,10 +53,7 @@ class MountProc:
     def start(self) -> MountProc:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [*LAKESTREAM, "mount", self.url, str(self.mountpoint), *self.args],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=cli_env(),
-            )  # fmt: skip
+            self.proc = spawn_cli("mount", self.url, self.mountpoint, *self.args, stdout=log, stderr=subprocess.STDOUT)
         return self
 
     def log(self) -> str:

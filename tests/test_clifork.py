@@ -4,9 +4,11 @@ the fresh `python -m lakestream._cli` it stands for, which every test of the com
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from pathlib import Path
 
+import clifork
 import cliutil
 import pytest
 from cliutil import describe, run_cli
@@ -72,3 +74,34 @@ def test_a_forked_command_past_its_timeout_is_killed(tmp_path: Path) -> None:
     children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
     assert children == [], f"the killed command is still running: {children}"
     assert same("status", url).returncode == 0  # and the server serves the next command
+
+
+def test_a_spawned_command_is_a_popen_of_a_fork_that_can_be_polled_signalled_and_waited_for(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/s"
+    run_cli("init", url, "--world-size", "1", "--global-batch", "2", check=True)
+    server = cliutil._fork_server._proc
+    for fresh in (False, True):
+        reader = cliutil.spawn_cli("read", url, "--rank", "0", "--to-step", "0", fresh=fresh)  # waits for step 0
+        try:
+            assert isinstance(reader, clifork.ForkedPopen) != fresh
+            assert reader.stderr is not None
+            assert "as they are committed" in reader.stderr.readline()  # said before it waits
+            assert reader.poll() is None
+            with pytest.raises(subprocess.TimeoutExpired):
+                reader.wait(0.2)
+            parent = Path(f"/proc/{reader.pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            assert int(parent) == (os.getpid() if fresh else server.pid)  # type: ignore[union-attr]
+            reader.send_signal(signal.SIGKILL)
+            assert reader.wait(30) == -signal.SIGKILL and reader.poll() == -signal.SIGKILL
+        finally:
+            reader.kill()
+            reader.communicate()
+    out = tmp_path / "log"
+    with open(out, "w") as log:  # stdout into a file, stderr with it, as the mount helper has them
+        r = cliutil.spawn_cli("status", url, "--json", stdout=log, stderr=subprocess.STDOUT)
+        assert r.wait(60) == 0 and r.stdout is None
+    assert '"head_step"' in out.read_text()
+    bad = cliutil.spawn_cli("status", f"file://{tmp_path}/none")
+    stdout, stderr = bad.communicate(timeout=60)
+    fresh_bad = run_cli("status", f"file://{tmp_path}/none", fresh=True)
+    assert (bad.returncode, stdout, stderr) == (fresh_bad.returncode, fresh_bad.stdout, fresh_bad.stderr)
