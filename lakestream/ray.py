@@ -268,9 +268,14 @@ def _count_committed(report: FleetReport, before: Any, after: Any, ids: list[str
             report.bytes += step.nbytes
 
 
+#: How many times a local cluster is started before the run fails (see `_connected`).
+LOCAL_STARTS = 3
+
+
 class _connected:
     """Connected to Ray for the block: to `address`, else RAY_ADDRESS, else a new local cluster of at least
-    `cpus` CPUs shut down on leaving. An existing connection of this process is used as it is."""
+    `cpus` CPUs shut down on leaving (started up to LOCAL_STARTS times if it times out starting). An existing
+    connection of this process is used as it is."""
 
     def __init__(self, address: str | None, cpus: float) -> None:
         self.address, self.cpus, self.started = address, cpus, False
@@ -285,15 +290,26 @@ class _connected:
         if address == "local":
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no notice about usage statistics
             quiet |= {"num_cpus": max(os.cpu_count() or 1, int(-(-self.cpus // 1))), "include_dashboard": False}
-        try:
-            ray.init(address=address, **quiet)
-        except (ConnectionError, TimeoutError) as e:
-            hint = (
-                ""
-                if "RAY_AUTH_MODE" in os.environ
-                else " (a cluster with token authentication needs RAY_AUTH_MODE=token)"
-            )
-            raise OSError(f"cannot connect to the Ray cluster at {address}: {e}{hint}") from e
+        for attempt in range(1, LOCAL_STARTS + 1):
+            try:
+                ray.init(address=address, **quiet)
+                break
+            except (ConnectionError, TimeoutError) as e:
+                hint = (
+                    ""
+                    if "RAY_AUTH_MODE" in os.environ
+                    else " (a cluster with token authentication needs RAY_AUTH_MODE=token)"
+                )
+                raise OSError(f"cannot connect to the Ray cluster at {address}: {e}{hint}") from e
+            except Exception as e:
+                # Ray gives its raylet 30 s to register (a constant in ray/_private/node.py), which a busy machine
+                # can exceed; it says so with a bare Exception, told only by its message.
+                if address != "local" or "timed out during startup" not in str(e):
+                    raise
+                if attempt == LOCAL_STARTS:
+                    raise OSError(f"a local Ray cluster did not start, {LOCAL_STARTS} times: {e}") from e
+                log.warning("a local Ray cluster did not start (%s); starting another", e)
+                ray.shutdown()
         log.info("connected to Ray at %s", address)
         self.started = True
 

@@ -281,6 +281,46 @@ def test_what_is_refused_before_anything_starts(tmp_path: Path) -> None:
     assert r.stderr.strip().splitlines() == ["lakestream fleet: error: --producers 0: expected at least 1"], describe(r)
 
 
+def test_a_local_cluster_that_times_out_starting_is_started_again_then_fails_as_an_os_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ray gives a local raylet 30 s to register, which a busy machine can exceed: the start is tried again
+    (after `ray.shutdown`), and after LOCAL_STARTS tries the run fails with an OSError, not a bare Exception.
+    `ray.init` is replaced here: a real timeout cannot be made to happen on demand."""
+    import ray
+
+    import lakestream.ray as fleet_module
+
+    calls: list[str] = []
+
+    def init(fail: int) -> Any:
+        def fake(**_: Any) -> None:
+            calls.append("init")
+            if calls.count("init") <= fail:
+                raise Exception("The current node timed out during startup. This could happen because ...")
+
+        return fake
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(ray, "init", init(fail=1))
+    with fleet_module._connected(None, 1):
+        assert calls == ["init", "shutdown", "init"]
+    assert calls[-1] == "shutdown"  # the cluster it started is shut down on leaving
+    calls.clear()
+    monkeypatch.setattr(ray, "init", init(fail=99))
+    did_not_start = r"a local Ray cluster did not start, 3 times: The current node timed out"
+    with pytest.raises(OSError, match=did_not_start), fleet_module._connected(None, 1):
+        pass
+    assert calls == ["init", "shutdown"] * (fleet_module.LOCAL_STARTS - 1) + ["init"]
+    calls.clear()
+    monkeypatch.setattr(ray, "init", init(fail=99))
+    # with an address given, the cluster is not this run's to start again
+    with pytest.raises(Exception, match="timed out during startup"), fleet_module._connected("127.0.0.1:1", 1):
+        pass
+    assert calls == ["init"]
+
+
 def test_a_bad_source_or_map_is_refused_before_ray_starts(setup: dict[str, Any], tmp_path: Path) -> None:
     """A source that does not open, one with fewer files than producers, and a --map that does not load are
     refused in one line, before the command reaches for Ray: it points at an address where a socket listens
