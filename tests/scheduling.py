@@ -27,6 +27,7 @@ from xdist.scheduler.loadscope import LoadScopeScheduling
 GROUPS = [
     ("tests/test_fleet.py::", "ray"),
     ("tests/test_metrics.py::test_fleet_serves_one_endpoint_per_actor", "ray"),
+    ("tests/test_bench.py::test_sources_bench_smoke", "ray"),  # its fleet section starts a local cluster
     ("tests/test_torture.py::test_torture", "torture"),  # two at once starve each other's chaos on 2 cores
 ]
 
@@ -37,7 +38,6 @@ FIRST = [
     "tests/test_torture.py::",
     "tests/test_bench.py::test_e2e_bench_smoke",
     "tests/test_scale_processes.py::test_128_combining_producers",
-    "tests/test_bench.py::test_sources_bench_smoke",
     "tests/test_torch.py::test_crash_and_resume_reproduce_the_uninterrupted_losses_bit_for_bit",
     "tests/test_mount.py::test_the_mount_outlives_an_s3_outage_and_follows_the_stream_again",
     "tests/test_elastic_torch.py::",
