@@ -301,7 +301,9 @@ def test_fleet_serves_one_endpoint_per_actor(tmp_path: Path) -> None:
         return len(seen) == 2
 
     try:
-        wait_until(both, 120, "both actors' metrics")
+        # (a fleet that ends first, failed or done, is told with its output below)
+        wait_until(lambda: both() or proc.poll() is not None, 240, "both actors' metrics")
+        assert len(seen) == 2, f"the fleet ended (exit {proc.wait()}) before both actors served: {proc.communicate()}"
         for i, s in seen.items():
             labels = {"stream": url, "producer": f"fleet-{i}"}
             assert (value(s, "lakestream_transform_records_total", **labels) or 0) >= 4
@@ -314,7 +316,7 @@ def test_fleet_serves_one_endpoint_per_actor(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+        proc.communicate()  # and its pipes closed
 
 
 def _free(port: int) -> bool:
