@@ -291,9 +291,10 @@ class ForkedPopen(subprocess.Popen[str]):
                     pid, status = self._try_wait(os.WNOHANG)
                     if pid == self.pid:
                         self._handle_exitstatus(status)
-            except OSError:
-                if _deadstate is not None:
-                    self.returncode = _deadstate
+            except (OSError, RuntimeError):  # the server gone: the status cannot be known
+                if _deadstate is None:
+                    raise
+                self.returncode = _deadstate  # (as the object is collected)
             finally:
                 self._waitpid_lock.release()
         return self.returncode
