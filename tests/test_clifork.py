@@ -79,9 +79,21 @@ def test_a_forked_command_past_its_timeout_is_killed(tmp_path: Path) -> None:
 def test_a_spawned_command_is_a_popen_of_a_fork_that_can_be_polled_signalled_and_waited_for(tmp_path: Path) -> None:
     url = f"file://{tmp_path}/s"
     run_cli("init", url, "--world-size", "1", "--global-batch", "2", check=True)
-    server = cliutil._fork_server._proc
+    # A server of this test's own, started in this environment: every request forks (the shared one may have
+    # started under variables an earlier test set, and then runs requests fresh, as it should).
+    own = clifork.Server()
+    env = cliutil.cli_env()
+
+    def spawn(*argv: str, fresh: bool = False, **popen: object) -> subprocess.Popen[str]:
+        popen.setdefault("stdout", subprocess.PIPE)
+        popen.setdefault("stderr", subprocess.PIPE)
+        return cliutil.spawn_cli(*argv, fresh=True, **popen) if fresh else own.popen(list(argv), env, **popen)
+
+    reader = spawn("status", url)  # starts the server
+    reader.communicate(timeout=60)
+    server = own._proc
     for fresh in (False, True):
-        reader = cliutil.spawn_cli("read", url, "--rank", "0", "--to-step", "0", fresh=fresh)  # waits for step 0
+        reader = spawn("read", url, "--rank", "0", "--to-step", "0", fresh=fresh)  # waits for step 0
         try:
             assert isinstance(reader, clifork.ForkedPopen) != fresh
             assert reader.stderr is not None
@@ -98,10 +110,13 @@ def test_a_spawned_command_is_a_popen_of_a_fork_that_can_be_polled_signalled_and
             reader.communicate()
     out = tmp_path / "log"
     with open(out, "w") as log:  # stdout into a file, stderr with it, as the mount helper has them
-        r = cliutil.spawn_cli("status", url, "--json", stdout=log, stderr=subprocess.STDOUT)
+        r = spawn("status", url, "--json", stdout=log, stderr=subprocess.STDOUT)
+        assert isinstance(r, clifork.ForkedPopen)
         assert r.wait(60) == 0 and r.stdout is None
     assert '"head_step"' in out.read_text()
-    bad = cliutil.spawn_cli("status", f"file://{tmp_path}/none")
+    bad = spawn("status", f"file://{tmp_path}/none")
     stdout, stderr = bad.communicate(timeout=60)
+    own.close()
+    assert isinstance(bad, clifork.ForkedPopen)
     fresh_bad = run_cli("status", f"file://{tmp_path}/none", fresh=True)
     assert (bad.returncode, stdout, stderr) == (fresh_bad.returncode, fresh_bad.stdout, fresh_bad.stderr)
