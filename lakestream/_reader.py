@@ -163,6 +163,9 @@ class Reader:
         self.prefetch_seconds = max(0.0, prefetch_seconds)
         self.max_prefetch_bytes = max_prefetch_bytes
         self.step_time: float | None = None  # the consumer's smoothed time per step: yield to next ask
+        # Set by a consumer that asks for each step before it has used the last (StreamDataset):
+        # `steps` can then not tell its stalls or pace, and the consumer reports them (`paced`).
+        self.consumer_paced = False
         self.poll_min, self.poll_max = poll_interval
         self.verify = verify
         self.raw = raw
@@ -406,10 +409,8 @@ class Reader:
         yielded: float | None = None
         while stop is None or step < stop:
             asked = time.perf_counter()  # the consumer waits from here until the yield: its stall
-            if yielded is not None:
-                took = max(0.0, self.manifest.clock() - yielded)
-                w = STEP_TIME_WEIGHT
-                self.step_time = took if self.step_time is None else (1 - w) * self.step_time + w * took
+            if yielded is not None and not self.consumer_paced:
+                self.paced(self.manifest.clock() - yielded)
             if stop is None:
                 found = await self.wait_for_step_or_end(step, check=check)
                 if found is None:
@@ -426,11 +427,17 @@ class Reader:
                 self._prefetch_after(step, stop)
                 batch = await self.read_step(step)
             last = entry
-            self._metrics.stalled(time.perf_counter() - asked)
+            if not self.consumer_paced:
+                self._metrics.stalled(time.perf_counter() - asked)
             yielded = self.manifest.clock()
             yield batch
             self.consumed = step
             step += 1
+
+    def paced(self, took: float) -> None:
+        """The consumer took `took` seconds over a step, from having it to asking for the next."""
+        took, w = max(0.0, took), STEP_TIME_WEIGHT
+        self.step_time = took if self.step_time is None else (1 - w) * self.step_time + w * took
 
     def prefetch_depth(self) -> int:
         """Steps to fetch ahead of the one asked for: what the consumer takes in `prefetch_seconds`

@@ -228,7 +228,8 @@ async def _anext(agen: AsyncIterator[Any]) -> Any:
 
 
 async def _owned_steps(reader: lakestream.Reader, start: int, stop: int | None, stride: int) -> AsyncGenerator[Any]:
-    """Steps start, start+stride, … below stop; like `Reader.steps` (which prefetches) for stride 1."""
+    """Steps start, start+stride, … below stop; like `Reader.steps` (which prefetches) for stride 1.
+    The consumer times its own stalls (`reader.consumer_paced`)."""
     if stride == 1:
         async for batch in reader.steps(start, stop):
             yield batch
@@ -237,11 +238,9 @@ async def _owned_steps(reader: lakestream.Reader, start: int, stop: int | None, 
     last: tuple[int, int] | None = None  # (step, version) of the last step yielded
     step = start
     while stop is None or step < stop:
-        asked = time.perf_counter()  # the consumer's stall, as `Reader.steps` measures it
         if stop is None and await reader.wait_for_step_or_end(step) is None:
             return  # the stream is closed before this step
         batch = await reader.read_step(step)
-        reader._metrics.stalled(time.perf_counter() - asked)
         state = reader.state
         if state.rewinds != rewinds and last is not None:
             entry = state.step(last[0])
@@ -259,26 +258,34 @@ class _Source:
     """A reader on an event loop in a background thread. Holds no reference to its iterator,
     so that the iterator's finalizer can close it.
 
-    Each batch is asked for by handing a future to a task on the loop (`_serve`) that fills it:
-    one wakeup of the loop and one of the caller a step. (`BlockingPortal.start_task_soon` waits
-    for the loop to have started the task before it returns, a second round trip, which costs
-    about as much CPU as a step's checks and decoding: docs/benchmarks.md, "Thread hops".)"""
+    Each batch is asked for by handing a future to a task on the loop (`_serve`) that fills it,
+    and the next one is asked for as soon as a batch is handed over: the loop gets it ready while
+    the trainer uses this one, so that a trainer ahead of the stream takes each batch without a
+    wakeup of the loop or a wait for the GIL the loop holds while it starts the next fetches.
+    (`BlockingPortal.start_task_soon` waits for the loop to have started the task before it
+    returns, a second round trip, which costs about as much CPU as a step's checks and decoding:
+    docs/benchmarks.md, "Thread hops".) The trainer's stalls and pace are timed here, where it
+    asks, not on the loop, which asks a step ahead (`Reader.consumer_paced`)."""
 
     def __init__(self, url: str, rank: int, world_size: int | None, start: int, stop: int | None, stride: int,
                  options: dict[str, Any]) -> None:  # fmt: skip
         self.closed = False
         self.pid = os.getpid()
-        self.pending: Future[Any] | None = None
+        self.pending: Future[Any] | None = None  # the next batch, asked for
+        self.waiting = False  # the trainer waits for `pending` (or was interrupted waiting)
+        self.received: float | None = None  # when the trainer was handed its last batch
         self._lock = threading.Lock()
         self._stack = contextlib.ExitStack()
         self.portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal(name="lakestream-torch"))
         try:
             self.loop_thread = self.portal.call(threading.get_ident)
+            self._scope = self.portal.call(anyio.CancelScope)  # `_serve`'s
             cm = self.portal.wrap_async_context_manager(lakestream.open_reader(url, rank, world_size, **options))
             self.reader = self._stack.enter_context(cm)
+            self.reader.consumer_paced = True
             self.agen = _owned_steps(self.reader, start, stop, stride)
             self.loop = self.portal.call(asyncio.get_running_loop)
-            self.asks: asyncio.Queue[Future[Any] | None] = asyncio.Queue()
+            self.asks: asyncio.Queue[Future[Any]] = asyncio.Queue()
             self.served = self.portal.start_task_soon(self._serve)
         except BaseException:
             self._stack.close()
@@ -286,33 +293,59 @@ class _Source:
 
     async def _serve(self) -> None:
         """Fill each future asked for with the next batch (or _DONE, or the reader's error), in
-        turn, until asked for None."""
-        while (answer := await self.asks.get()) is not None:
-            try:
-                answer.set_result(await _anext(self.agen))
-            except BaseException as e:
-                answer.set_exception(e)
-                if not isinstance(e, Exception):
-                    raise
+        turn, until cancelled (`close`)."""
+        with self._scope:
+            while True:
+                answer = await self.asks.get()
+                try:
+                    answer.set_result(await _anext(self.agen))
+                except BaseException as e:
+                    answer.set_exception(e)
+                    if not isinstance(e, Exception):
+                        raise
+
+    def _ask(self, took: float | None) -> None:
+        answer: Future[Any] = Future()
+        self.loop.call_soon_threadsafe(self._asked, answer, took)
+        self.pending = answer
+
+    def _asked(self, answer: Future[Any], took: float | None) -> None:  # on the loop
+        if took is not None:
+            self.reader.paced(took)
+        self.asks.put_nowait(answer)
 
     def next(self) -> Any:
         """The next RankBatch, or _DONE. After an interrupted call, waits for the same batch."""
         if self.pid != os.getpid():
             raise RuntimeError("a StreamDataset iterator cannot be used in a forked process: create it there")
         if self.pending is None:
-            answer: Future[Any] = Future()
-            self.loop.call_soon_threadsafe(self.asks.put_nowait, answer)
-            self.pending = answer
+            self._ask(None)
+        assert self.pending is not None
+        asked = time.perf_counter()
+        self.waiting = True
         try:
-            return self.pending.result()  # raises the reader's error, if it failed
+            batch = self.pending.result()  # raises the reader's error, if it failed
         finally:
-            if self.pending.done():
-                self.pending = None
+            if self.pending.done():  # else a signal handler's error interrupted the wait
+                self.waiting, self.pending = False, None
+        if batch is _DONE:
+            return batch
+        now = time.perf_counter()
+        self.reader._metrics.stalled(now - asked)
+        took, self.received = (None if self.received is None else asked - self.received), now
+        self._ask(took)  # the next batch, got ready while the trainer uses this one
+        return batch
 
     @property
     def interrupted(self) -> bool:
         """True if waiting for the next batch was interrupted (KeyboardInterrupt) while it runs."""
-        return self.pending is not None and not self.pending.done()
+        return self.waiting and self.pending is not None and not self.pending.done()
+
+    async def _shutdown(self) -> None:
+        self._scope.cancel()  # a batch asked for ahead may wait for a step not committed yet
+        with contextlib.suppress(BaseException):  # whatever `_serve` ended with was handed over
+            await asyncio.wrap_future(self.served)
+        await self.agen.aclose()
 
     def close(self) -> None:
         if self.pid != os.getpid():  # a copy in a forked process: the thread is not here
@@ -332,9 +365,7 @@ class _Source:
                         self.portal.call(self.portal.stop, True)
                 else:
                     with contextlib.suppress(Exception):
-                        self.loop.call_soon_threadsafe(self.asks.put_nowait, None)
-                        self.served.result()
-                        self.portal.call(_call, self.agen.aclose)
+                        self.portal.call(self._shutdown)
             finally:
                 with contextlib.suppress(RuntimeError):  # RuntimeError: the portal was stopped above
                     self._stack.close()
@@ -501,7 +532,10 @@ class StreamDataset(_Resumable, torch.utils.data.IterableDataset):  # type: igno
 
     Use with `DataLoader(ds, batch_size=None)`, or torchdata's `StatefulDataLoader` to resume with
     `num_workers > 0` (see the module docstring). Each iterator runs its reader on an event loop in
-    a background thread, closed when the iterator is exhausted, closed or garbage-collected.
+    a background thread, closed when the iterator is exhausted, closed or garbage-collected. It asks
+    for the next batch as it hands one over, so that the batch is fetched and decoded while the
+    trainer uses this one; rank 0's consumption mark (back-pressure) counts a batch handed over as
+    consumed.
     """
 
     def __init__(

@@ -23,6 +23,7 @@ import anyio
 import numpy as np
 import pytest
 import torch  # the 'torch' extra (scripts/setup.sh installs it): a missing torch fails, never skips
+from cliutil import wait_until
 from mountutil import is_mounted
 from torch.utils.data import DataLoader
 
@@ -443,6 +444,43 @@ def test_an_interrupted_wait_resumes_or_closes(tmp_path: Path) -> None:
     it.close()  # cancels the pending wait for step 2
     assert time.monotonic() - t0 < 5
     assert_no_leaked_threads(before)
+
+
+def test_the_next_batch_is_got_ready_while_the_trainer_uses_one_and_stalls_are_the_trainers(tmp_path: Path) -> None:
+    """StreamDataset asks for the next batch as it hands one over, so a trainer ahead of the stream
+    finds it ready; the stall histogram counts the trainer's own waits, not the time the batch
+    asked for ahead waited for its step while the trainer was busy."""
+    from prometheus_client import REGISTRY
+
+    url = make_stream(tmp_path / "stream", 2)
+    labels = {"stream": url, "rank": "0"}
+
+    def stalls(le: str | None = None) -> float:
+        if le is None:
+            return REGISTRY.get_sample_value("lakestream_reader_stall_seconds_count", labels) or 0.0
+        return REGISTRY.get_sample_value("lakestream_reader_stall_seconds_bucket", labels | {"le": le}) or 0.0
+
+    it = iter(StreamDataset(url, rank=0))
+    try:
+        assert next(it)["step"] == 0
+        source = it._source
+        assert source is not None and source.pending is not None
+        wait_until(lambda: source.pending is not None and source.pending.done(), what="step 1 ready before it is asked for")
+        assert next(it)["step"] == 1
+        adding = threading.Timer(0.3, add_steps, (url, 2, 1))  # step 2, committed while the trainer is busy
+        adding.start()
+        time.sleep(1.0)  # the trainer's step
+        adding.join()
+        assert_same(next(it), expected(0, 2))
+        assert stalls() == 3
+        assert stalls(le="0.25") == 3, "the wait of the batch asked for ahead was counted as the trainer's"
+        adding = threading.Timer(0.5, add_steps, (url, 3, 1))  # asked for before it is committed: a stall
+        adding.start()
+        assert_same(next(it), expected(0, 3))
+        adding.join()
+        assert (stalls(), stalls(le="0.25")) == (4, 3)
+    finally:
+        it.close()
 
 
 def test_datasets_pickle(stream: str, tmp_path: Path) -> None:
