@@ -465,7 +465,9 @@ def test_the_next_batch_is_got_ready_while_the_trainer_uses_one_and_stalls_are_t
         assert next(it)["step"] == 0
         source = it._source
         assert source is not None and source.pending is not None
-        wait_until(lambda: source.pending is not None and source.pending.done(), what="step 1 ready before it is asked for")
+        wait_until(
+            lambda: source.pending is not None and source.pending.done(), what="step 1 ready before it is asked for"
+        )
         assert next(it)["step"] == 1
         adding = threading.Timer(0.3, add_steps, (url, 2, 1))  # step 2, committed while the trainer is busy
         adding.start()
