@@ -186,6 +186,7 @@ class Reader:
         self._fetches: dict[tuple[int, int, int], _Fetch] = {}  # see _key
         self._queued: deque[tuple[Step, _Fetch]] = deque()  # fetches started, not taken by a fetcher yet
         self._idle: deque[anyio.Event] = deque()  # fetchers waiting for one, each woken by its own event
+        self._spawning = False  # a fetcher is started and has not begun yet
         self._inflight_bytes = 0
         self._pace = StepPace()  # when the steps waited for arrived
         self._tg: anyio.abc.TaskGroup | None = None
@@ -514,18 +515,29 @@ class Reader:
             self._queued.append((entry, fetch))
             if self._idle:
                 self._idle.popleft().set()
-            else:
-                self._tg.start_soon(self._fetcher)
+            elif not self._spawning:
+                self._spawn_fetcher()
         return fetch
+
+    def _spawn_fetcher(self) -> None:
+        assert self._tg is not None
+        self._spawning = True
+        self._tg.start_soon(self._fetcher)
 
     async def _fetcher(self) -> None:
         """Run started fetches, oldest first, while the reader is open. A fetcher is started only
         when every other one is busy (a fetch in flight), so as many fetches run at once as were
         started, as with a task each; but a task spawned per fetch cost more CPU than a small
-        page-cached read (anyio's `start_soon`, about 40 µs; waking an idle fetcher, a few)."""
+        page-cached read (anyio's `start_soon`, about 40 µs; waking an idle fetcher, a few). One is
+        started at a time, by the last to begin a fetch with more queued: fetches that end without
+        waiting (a page-cached `file://` read) are all run by the first, not by one task each."""
+        self._spawning = False
         while True:
             while self._queued:
-                await self._fetch(*self._queued.popleft())
+                fetch = self._queued.popleft()
+                if self._queued and not self._idle and not self._spawning:
+                    self._spawn_fetcher()  # for the rest, should this fetch wait on the store
+                await self._fetch(*fetch)
             wake = anyio.Event()
             self._idle.append(wake)
             await wake.wait()

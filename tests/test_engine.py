@@ -110,6 +110,37 @@ async def test_the_first_step_is_fetched_alone_then_each_step_ahead_of_its_prefe
     assert starts == sorted(starts), events  # each step's fetch starts before any later step's
 
 
+async def test_started_fetches_run_at_once_on_a_slow_store_and_on_one_task_where_none_waits() -> None:
+    """As many fetches are in flight as were started when the store makes them wait; when none waits
+    (a page-cached read) one fetcher task runs them all, not a task started per fetch."""
+    store = MemoryStore()
+    await lakestream.create(store, world_size=W, global_batch=B)
+    await produce(store, "p", 40 * B)
+    get_range = store.get_range
+    delay = [0.05]
+    flight, tasks = [0, 0], set()
+
+    async def logged(key: str, offset: int, length: int) -> bytes:
+        tasks.add(anyio.get_current_task().id)
+        flight[0] += 1
+        flight[1] = max(flight)
+        if delay[0]:
+            await anyio.sleep(delay[0])
+        flight[0] -= 1
+        return await get_range(key, offset, length)
+
+    store.get_range = logged  # type: ignore[method-assign]
+    async with lakestream.open_reader(store, 0, prefetch=6, prefetch_seconds=0) as r:
+        assert [b.step async for b in r.steps(0, 12)] == list(range(12))
+    assert flight[1] == 7, flight  # the step asked for and the 6 after it
+    delay[0] = 0
+    flight[1] = 0
+    tasks.clear()
+    async with lakestream.open_reader(store, 0, prefetch=6, prefetch_seconds=0) as r:
+        assert [b.step async for b in r.steps(0, 40)] == list(range(40))
+    assert flight[1] == 1 and len(tasks) <= 2, (flight, tasks)
+
+
 async def _ahead_when_asked(step_time: float, **options: Any) -> list[int]:
     """How far past each step asked for (after the first) the reader had started fetching, for a
     consumer that takes `step_time` seconds of the reader's clock per step."""
