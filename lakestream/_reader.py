@@ -520,9 +520,9 @@ class Reader:
         return fetch
 
     def _spawn_fetcher(self) -> None:
-        assert self._tg is not None
-        self._spawning = True
-        self._tg.start_soon(self._fetcher)
+        if self._tg is not None:  # else the reader is closing: what is queued is let go
+            self._spawning = True
+            self._tg.start_soon(self._fetcher)
 
     async def _fetcher(self) -> None:
         """Run started fetches, oldest first, while the reader is open. A fetcher is started only

@@ -141,6 +141,29 @@ async def test_started_fetches_run_at_once_on_a_slow_store_and_on_one_task_where
     assert flight[1] == 1 and len(tasks) <= 2, (flight, tasks)
 
 
+async def test_a_reader_closed_while_a_fetch_finishes_past_its_cancellation_closes_cleanly() -> None:
+    """Fetches queued as the reader closes, with a fetcher just started for them and fetches in
+    flight that cannot be cancelled (a read in a worker thread): no fetcher is started once the
+    reader is closing, and the close raises nothing."""
+    store = MemoryStore()
+    await lakestream.create(store, world_size=W, global_batch=B)
+    await produce(store, "p", 20 * B)
+    get_range = store.get_range
+
+    async def uncancellable(key: str, offset: int, length: int) -> bytes:
+        with anyio.CancelScope(shield=True):
+            await anyio.sleep(0.05)
+        return await get_range(key, offset, length)
+
+    store.get_range = uncancellable  # type: ignore[method-assign]
+    async with lakestream.open_reader(store, 0, prefetch=1, prefetch_seconds=0) as r:
+        r.max_prefetch_bytes = 1 << 40
+        first = await r.read_step(0)
+        for step in range(1, 12):
+            r._start(r.state.step(step))  # queued, a fetcher started for them: the close begins first
+    assert first.step == 0
+
+
 async def _ahead_when_asked(step_time: float, **options: Any) -> list[int]:
     """How far past each step asked for (after the first) the reader had started fetching, for a
     consumer that takes `step_time` seconds of the reader's clock per step."""
