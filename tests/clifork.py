@@ -37,8 +37,10 @@ from typing import Any
 
 #: Environment variables an interpreter or a library reads once, as it starts or is imported: a request that
 #: changes one of them (PYTHONPATH and PYTHONUNBUFFERED aside, see `_child`) runs in a fresh process.
+#: PYTHONBREAKPOINT is read at each `breakpoint()`, not at start; `ray.init` sets it in the process
+#: that calls it, which made every later command of a fleet test's worker run fresh.
 STARTUP_PREFIXES = ("PYTHON", "LC_", "LANG", "OPENBLAS", "OMP_", "NPY_", "MKL_")
-NOT_STARTUP = ("PYTHONPATH", "PYTHONUNBUFFERED")
+NOT_STARTUP = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONBREAKPOINT")
 MODULE = "lakestream._cli"
 #: Imported by the server too: what most commands import as they run (asyncio, the S3 clients; importing
 #: these starts no thread, and obstore starts its threads on first use only).

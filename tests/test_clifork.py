@@ -47,6 +47,15 @@ def test_a_forked_command_has_the_exit_status_and_output_of_a_fresh_one(tmp_path
     assert r.returncode == 1 and "LAKESTREAM_S3_CLIENT='nosuch'" in r.stderr, describe(r)
 
 
+def test_a_variable_read_as_the_command_runs_is_applied_in_the_fork_and_one_read_at_start_is_not() -> None:
+    """PYTHONBREAKPOINT is read at each `breakpoint()` (and `ray.init` sets it in its process, so a fleet
+    test left it set for the rest of its worker): a fork applies it. PYTHONHASHSEED and the locale are
+    read as the interpreter starts: a request that changes them runs fresh."""
+    env = {"PYTHONBREAKPOINT": "ray.util.rpdb.set_trace", "PYTHONHASHSEED": "7", "LC_ALL": "C.UTF-8", "COLUMNS": "60"}
+    assert clifork.startup_vars(env) == {"PYTHONHASHSEED": "7", "LC_ALL": "C.UTF-8"}
+    assert same("--help", env={"PYTHONBREAKPOINT": "0"}).returncode == 0
+
+
 def test_a_forked_command_imports_from_its_own_pythonpath_and_sees_its_environment(tmp_path: Path) -> None:
     (tmp_path / "mod").mkdir()
     (tmp_path / "mod" / "envmap.py").write_text(MAP_MODULE)
