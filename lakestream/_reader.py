@@ -534,10 +534,10 @@ class Reader:
         self._spawning = False
         while True:
             while self._queued:
-                fetch = self._queued.popleft()
+                entry, fetch = self._queued.popleft()
                 if self._queued and not self._idle and not self._spawning:
                     self._spawn_fetcher()  # for the rest, should this fetch wait on the store
-                await self._fetch(*fetch)
+                await self._fetch(entry, fetch)
             wake = anyio.Event()
             self._idle.append(wake)
             await wake.wait()

@@ -67,7 +67,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -211,10 +211,6 @@ def decode_file(name: str, data: bytes, tag: str | None = None) -> Any:
 
 
 # -- the async reader on a background event loop ------------------------------------------------
-
-
-async def _call(fn: Callable[[], Any]) -> Any:
-    return await fn()
 
 
 _DONE = object()
