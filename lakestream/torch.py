@@ -255,9 +255,12 @@ class _Source:
     so that the iterator's finalizer can close it.
 
     Each batch is asked for by handing a future to a task on the loop (`_serve`) that fills it,
-    and the next one is asked for as soon as a batch is handed over: the loop gets it ready while
-    the trainer uses this one, so that a trainer ahead of the stream takes each batch without a
-    wakeup of the loop or a wait for the GIL the loop holds while it starts the next fetches.
+    and the next one is asked for as the trainer's last act in handing a batch over (`ask_next`):
+    the loop gets it ready while the trainer uses this one, so that a trainer ahead of the stream
+    takes each batch without a wakeup of the loop or a wait for the GIL the loop holds while it
+    starts the next fetches. The loop starts on an ask only once the asking thread is back from
+    posting it (`_posting`): else, woken by the post, it could take the GIL first and keep it for
+    the ~1 ms of a step's bookkeeping and inline fetch while the trainer still returns its batch.
     (`BlockingPortal.start_task_soon` waits for the loop to have started the task before it
     returns, a second round trip, which costs about as much CPU as a step's checks and decoding:
     docs/benchmarks.md, "Thread hops".) The trainer's stalls and pace are timed here, where it
@@ -270,6 +273,8 @@ class _Source:
         self.pending: Future[Any] | None = None  # the next batch, asked for
         self.waiting = False  # the trainer waits for `pending` (or was interrupted waiting)
         self.received: float | None = None  # when the trainer was handed its last batch
+        self.took: float | None = None  # the trainer's time between its last two batches
+        self._posting = threading.Lock()  # held by a thread posting an ask: see `_asked`
         self._lock = threading.Lock()
         self._stack = contextlib.ExitStack()
         self.portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal(name="lakestream-torch"))
@@ -302,13 +307,26 @@ class _Source:
 
     def _ask(self, took: float | None) -> None:
         answer: Future[Any] = Future()
-        self.loop.call_soon_threadsafe(self._asked, answer, took)
+        with self._posting:
+            self.loop.call_soon_threadsafe(self._asked, answer, took)
         self.pending = answer
 
     def _asked(self, answer: Future[Any], took: float | None) -> None:  # on the loop
+        # The post woke this thread, which may have taken the GIL as the poster gave it up for the
+        # wakeup's system call: wait (GIL released) until the poster is back and has let go of
+        # `_posting`, so that it finishes its `next()` before the loop's work takes the GIL.
+        # The timeout only guards against a poster that never comes back.
+        if self._posting.acquire(timeout=1.0):
+            self._posting.release()
         if took is not None:
             self.reader.paced(took)
         self.asks.put_nowait(answer)
+
+    def ask_next(self) -> None:
+        """Ask for the batch after the one `next` handed over (once: later calls do nothing). The
+        trainer's thread calls it last, with the batch's item built."""
+        if self.pending is None and not self.closed:
+            self._ask(self.took)
 
     def next(self) -> Any:
         """The next RankBatch, or _DONE. After an interrupted call, waits for the same batch."""
@@ -328,8 +346,7 @@ class _Source:
             return batch
         now = time.perf_counter()
         self.reader._metrics.stalled(now - asked)
-        took, self.received = (None if self.received is None else asked - self.received), now
-        self._ask(took)  # the next batch, got ready while the trainer uses this one
+        self.took, self.received = (None if self.received is None else asked - self.received), now
         return batch
 
     @property
@@ -407,8 +424,11 @@ class _StreamIterator(Iterator[dict[str, Any]]):
             raise StopIteration
         self._dataset._next_step = batch.step + self._stride
         if batch.columns is not None:
-            return _collated(batch.step, batch.columns)
-        return {"step": batch.step, "samples": [_convert(s) for s in batch.samples]}
+            item = _collated(batch.step, batch.columns)
+        else:
+            item = {"step": batch.step, "samples": [_convert(s) for s in batch.samples]}
+        self._source.ask_next()  # the next batch, got ready while the trainer uses this one
+        return item
 
     def close(self) -> None:
         """Stop reading: the reader and its event-loop thread are closed (also when exhausted or

@@ -485,6 +485,48 @@ def test_the_next_batch_is_got_ready_while_the_trainer_uses_one_and_stalls_are_t
         it.close()
 
 
+def test_the_loop_starts_on_an_ask_only_once_the_asking_thread_is_back_from_posting_it(tmp_path: Path) -> None:
+    """Posting the next ask wakes the loop's thread, which could take the GIL while the trainer's
+    thread is still in its `next()` and keep it for a step's bookkeeping and inline fetch (a p99
+    of 1.5-2 ms for a trainer ahead of the stream): the loop waits until the asking thread is back."""
+    url = make_stream(tmp_path / "stream", 3)
+    it = iter(StreamDataset(url, rank=0))
+    try:
+        assert next(it)["step"] == 0
+        source = it._source
+        assert source is not None
+        wait_until(lambda: source.pending is not None and source.pending.done(), what="step 1 ready")
+        events: list[str] = []
+        put = source.asks.put_nowait
+        source.asks.put_nowait = lambda answer: (events.append("loop starts"), put(answer))[1]  # type: ignore[method-assign]
+
+        class Descheduled:  # the asking thread, off the CPU for 0.2 s right after its post
+            def __init__(self, lock: Any) -> None:
+                self.lock = lock
+
+            def acquire(self, *args: Any, **kwargs: Any) -> bool:
+                return bool(self.lock.acquire(*args, **kwargs))
+
+            def release(self) -> None:
+                self.lock.release()
+
+            def __enter__(self) -> None:
+                self.lock.acquire()
+
+            def __exit__(self, *exc: object) -> None:
+                time.sleep(0.2)
+                events.append("trainer back")
+                self.lock.release()
+
+        source._posting = Descheduled(source._posting)  # type: ignore[assignment]
+        assert next(it)["step"] == 1  # asks for step 2 as it returns
+        wait_until(lambda: "loop starts" in events, what="the ask for step 2 taken up")
+        assert events == ["trainer back", "loop starts"]
+        assert next(it)["step"] == 2
+    finally:
+        it.close()
+
+
 def test_datasets_pickle(stream: str, tmp_path: Path) -> None:
     import pickle
 
