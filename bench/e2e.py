@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -388,6 +389,11 @@ class Bench:
         if "killed" in fault_info and run.extra.get("readable"):
             ready, asked = lead_at(run, fault_info["killed"])
             run.extra["lead_at_kill"] = ready - asked
+            later = [r for r in run.extra["readable"] if r > fault_info["killed"]]
+            if later:  # what the lead had to cover: from the kill to the next step readable
+                run.extra["no_new_step_s"] = min(later) - fault_info["killed"]
+            asks = trainers[0]["asks"]  # the lead in seconds of training: steps at the median step time
+            run.extra["lead_at_kill_s"] = (ready - asked) * pct([b - a for a, b in itertools.pairwise(asks)], 50)
             log(f"{name}: at the kill {ready} steps readable, {asked} asked for: the stream was "
                 f"{ready - asked} steps ahead of rank 0")  # fmt: skip
         if a.trace_dir:
@@ -916,14 +922,22 @@ def report(a: argparse.Namespace, bench: Bench, sweep: list[int], only: set[str]
                 what = (f"producer SIGKILLed{' (at 2/3 of its share, before step 1/3)' if 'early' in r.extra else ''}, "
                         f"restarted {a.restart_after:g} s later; " if "killed" in r.extra
                         else r.extra.get("missed", "") + "; ") + ("training went on" if not r.error else r.error)  # fmt: skip
-            lead = r.extra.get("lead_at_kill")
-            rows.append([r.name, what, f"{r.steps}", "-" if lead is None else f"{lead}",
+            lead, gap = r.extra.get("lead_at_kill"), r.extra.get("no_new_step_s")
+            rows.append([r.name, what, f"{r.steps}",
+                         "-" if lead is None else f"{lead} ({r.extra['lead_at_kill_s']:.2f} s)",
+                         "-" if gap is None else f"{gap:.2f}",
                          f"{ms(pct(other, 50))} / {ms(pct(other, 99))}",
                          f"{ms(pct(during, 50))} / {ms(pct(during, 99))} / {ms(max(during, default=float('nan')))}",
                          f"{r.missing} missing, {r.repeated} repeated of {r.expected}"])  # fmt: skip
-        print(format_table(["pipeline", "what happened", "steps", "steps readable ahead of rank 0 at the kill",
-                            "stall p50 / p99 ms, outside", "stall p50 / p99 / max ms, kill to restart + 5 s", "keys"],
-                           rows, "llrrrrl"))  # fmt: skip
+        print(format_table(["pipeline", "what happened", "steps",
+                            "steps readable ahead of rank 0 at the kill (s of training)",
+                            "s from the kill to the next step readable", "stall p50 / p99 ms, outside",
+                            "stall p50 / p99 / max ms, kill to restart + 5 s", "keys"], rows, "llrrrrrl"))  # fmt: skip
+        print()
+        print(
+            "A kill costs the trainer a stall unless the lead at the kill (in seconds of training) is longer than "
+            "the time to the next step readable (the restart delay plus the restarted producer's start-up)."
+        )
     if points:
         print()
         print(f"## Decode-cost sweep (demand {a.batch * a.ranks * ceiling.steps_per_s:.0f} samples/s at the ceiling)")
