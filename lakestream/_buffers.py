@@ -8,7 +8,7 @@ thread than the one that asked for them, as readers do. So blocks come from a po
 it when nothing refers to the memory any more: the caller gets a memoryview of a lease, a numpy
 view of the block, and every array, tensor or view made from that memoryview keeps the lease
 alive (the buffer protocol holds a reference to its exporter); when the last one goes, the
-lease's finalizer hands the block back.
+lease's weak-reference callback hands the block back.
 
 Where a block's bytes start within a page is chosen too. The kernel copies a read into user memory
 with `rep movsb`, which on AMD's Zen cores (most cloud VMs) runs about ten times slower when the
@@ -57,6 +57,9 @@ class BufferPool:
         self._free: dict[int, list[tuple[np.ndarray[Any, Any], int]]] = {}  # size -> idle (block, address)
         self._idle = 0
         self._lock = threading.RLock()  # a lease may be finalized while its thread holds the lock
+        # Leases out, by id of the weak reference whose callback gives their block back (a bare
+        # weakref.ref costs a third of a weakref.finalize, whose registry this is the whole of).
+        self._out: dict[int, tuple[weakref.ref[Any], tuple[np.ndarray[Any, Any], int]]] = {}
         self.reused = 0  # blocks handed out again (for tests and benchmarks)
 
     @property
@@ -84,7 +87,8 @@ class BufferPool:
         want = -(-(src % PAGE + ALIGN) // ALIGN) * ALIGN  # 64-127 bytes past `src`, on a 64-byte boundary
         start = (want - address) % PAGE
         lease = block[start : start + n]  # a view: `block` stays the pool's, the lease is what users hold
-        weakref.finalize(lease, self._give_back, got)
+        ref = weakref.ref(lease, self._returned)
+        self._out[id(ref)] = ref, got
         return lease.data  # a memoryview exported by the lease
 
     def copy(self, data: Any) -> memoryview:
@@ -93,6 +97,9 @@ class BufferPool:
         out = self.take(src.nbytes)
         out[:] = src
         return out
+
+    def _returned(self, ref: weakref.ref[Any]) -> None:
+        self._give_back(self._out.pop(id(ref))[1])
 
     def _give_back(self, got: tuple[np.ndarray[Any, Any], int]) -> None:
         size = got[0].nbytes

@@ -46,7 +46,7 @@ from ._segment import (
 )
 from ._state import State, Step
 from ._store import ObjectStore, open_source_store
-from ._tasks import cancel_task_group, enter_task_group, run_sync
+from ._tasks import cancel_task_group, enter_task_group, event_class, run_sync
 
 __all__ = ["RankBatch", "RawSlice", "Reader"]
 
@@ -112,7 +112,7 @@ class _Checkpoint:
 @dataclass(slots=True)
 class _Fetch:
     nbytes: int
-    done: anyio.Event = field(default_factory=anyio.Event)
+    done: anyio.Event
     result: RankBatch | None = None
     error: BaseException | None = None
 
@@ -190,6 +190,7 @@ class Reader:
         self._inflight_bytes = 0
         self._pace = StepPace()  # when the steps waited for arrived
         self._tg: anyio.abc.TaskGroup | None = None
+        self._event: Callable[[], anyio.Event] = anyio.Event
         self._metrics = _hooks.reader(self)
 
     @property
@@ -212,6 +213,7 @@ class Reader:
         if self.rank is not None and self.rank >= w:
             raise ValueError(f"{self.url}: rank {self.rank} is out of range for world size {w}")
         self.world_size = w
+        self._event = event_class()
         self._tg = await enter_task_group()
         if self.publish_consumed:
             if not state.knows_job(self.job):  # so that producers count its mark (back-pressure)
@@ -510,7 +512,7 @@ class Reader:
             if self._tg is None:
                 raise RuntimeError("reader is closed")
             assert self.rank is not None, "a reader opened with rank=None reads with fetch_raw only"
-            fetch = self._fetches[self._key(entry)] = _Fetch(self._nbytes(entry, self.rank))
+            fetch = self._fetches[self._key(entry)] = _Fetch(self._nbytes(entry, self.rank), self._event())
             self._inflight_bytes += fetch.nbytes
             self._queued.append((entry, fetch))
             if self._idle:
@@ -538,7 +540,7 @@ class Reader:
                 if self._queued and not self._idle and not self._spawning:
                     self._spawn_fetcher()  # for the rest, should this fetch wait on the store
                 await self._fetch(entry, fetch)
-            wake = anyio.Event()
+            wake = self._event()
             self._idle.append(wake)
             await wake.wait()
 
