@@ -73,8 +73,10 @@ from e2e_work import s3_client, train_transform, write_shards
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
 MOSAIC_VENV = Path(os.environ.get("E2E_MOSAIC_VENV", "/tmp/lakestream-mosaic-venv"))
+# Its dependencies that `import streaming` needs (its cloud clients are imported only when used);
+# transformers for its DataLoader module, which the package's __init__ imports.
 MOSAIC_PACKAGES = ["mosaicml-streaming==0.13.0", "boto3", "brotli", "numpy<2.2", "python-snappy", "tqdm", "xxhash",
-                   "zstd", "catalogue"]  # fmt: skip
+                   "zstd", "catalogue", "transformers<5"]  # fmt: skip
 
 TARGET_CPU_RATIO = 0.10
 TARGET_CEILING = 0.95
