@@ -994,6 +994,10 @@ def report(a: argparse.Namespace, bench: Bench, sweep: list[int], only: set[str]
         if "producer" in r.name:
             verdicts.append((f"{r.name}: training went on: {not r.error and r.steps > 0}, {r.missing} samples lost, "
                              f"{r.repeated} repeated", (not r.error) and r.keys_ok() and "killed" in r.extra))  # fmt: skip
+    if mos and ahead:  # both read a stream (MDS shards) that was whole before the trainer started
+        lake = [f"{r.name}{' (ahead)' if r.mode == 'ahead' else ''} {r.ttfb:.2f} s" for r in (ahead, stream, mnt) if r]
+        verdicts.append((f"first batch, Lakestream no later than Mosaic Streaming's {mos.ttfb:.2f} s (both prefilled): "
+                         + ", ".join(lake), ahead.ttfb <= mos.ttfb))  # fmt: skip
     if len(read_runs) == 2:
         q = read_runs[0].samples_per_s / read_runs[1].samples_per_s
         verdicts.append((f"read path samples/s, Lakestream / Mosaic Streaming {q:.2f} (target >= {TARGET_MOSAIC})",
