@@ -10,6 +10,13 @@ view of the block, and every array, tensor or view made from that memoryview kee
 alive (the buffer protocol holds a reference to its exporter); when the last one goes, the
 lease's weak-reference callback hands the block back.
 
+A block is anonymous memory (`mmap`), not a numpy array, and the lease a numpy array over it. An
+array's `base` is the first object that owns its memory, found by looking through memoryviews and
+array views: an array made from a lease's buffer (`np.ndarray(..., buffer=...)`, as a slice's
+array blocks are) names the lease, which owns nothing, only if what the lease views is not a
+numpy array too. With numpy blocks, NumPy 2.4 named the block: the lease died while the array
+lived, and its block was handed out again for the next slice under the array.
+
 Where a block's bytes start within a page is chosen too. The kernel copies a read into user memory
 with `rep movsb`, which on AMD's Zen cores (most cloud VMs) runs about ten times slower when the
 destination lies 1 to 31 bytes past the source modulo 4 KiB: 1.6 against 15-20 GB/s from the page
@@ -29,6 +36,7 @@ produce`) ask glibc to keep what they free for reuse (`keep_freed_memory`), as t
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import threading
 import weakref
@@ -54,12 +62,12 @@ def block_size(n: int) -> int:
 class BufferPool:
     def __init__(self, max_idle: int = MAX_IDLE) -> None:
         self.max_idle = max_idle
-        self._free: dict[int, list[tuple[np.ndarray[Any, Any], int]]] = {}  # size -> idle (block, address)
+        self._free: dict[int, list[tuple[mmap.mmap, int]]] = {}  # size -> idle (block, address)
         self._idle = 0
         self._lock = threading.RLock()  # a lease may be finalized while its thread holds the lock
         # Leases out, by id of the weak reference whose callback gives their block back (a bare
         # weakref.ref costs a third of a weakref.finalize, whose registry this is the whole of).
-        self._out: dict[int, tuple[weakref.ref[Any], tuple[np.ndarray[Any, Any], int]]] = {}
+        self._out: dict[int, tuple[weakref.ref[Any], tuple[mmap.mmap, int]]] = {}
         self.reused = 0  # blocks handed out again (for tests and benchmarks)
 
     @property
@@ -81,12 +89,12 @@ class BufferPool:
                 self._idle -= size
                 self.reused += 1
         if got is None:
-            block = np.empty(size, np.uint8)
-            got = block, block.__array_interface__["data"][0]
+            block = mmap.mmap(-1, size)
+            got = block, np.frombuffer(block, np.uint8, 1).__array_interface__["data"][0]
         block, address = got
         want = -(-(src % PAGE + ALIGN) // ALIGN) * ALIGN  # 64-127 bytes past `src`, on a 64-byte boundary
         start = (want - address) % PAGE
-        lease = block[start : start + n]  # a view: `block` stays the pool's, the lease is what users hold
+        lease = np.frombuffer(block, np.uint8, n, start)  # `block` stays the pool's, the lease is what users hold
         ref = weakref.ref(lease, self._returned)
         self._out[id(ref)] = ref, got
         return lease.data  # a memoryview exported by the lease
@@ -101,8 +109,8 @@ class BufferPool:
     def _returned(self, ref: weakref.ref[Any]) -> None:
         self._give_back(self._out.pop(id(ref))[1])
 
-    def _give_back(self, got: tuple[np.ndarray[Any, Any], int]) -> None:
-        size = got[0].nbytes
+    def _give_back(self, got: tuple[mmap.mmap, int]) -> None:
+        size = len(got[0])
         with self._lock:
             if self._idle + size <= self.max_idle:
                 self._free.setdefault(size, []).append(got)

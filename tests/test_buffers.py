@@ -107,3 +107,33 @@ def test_a_buffer_starts_where_the_kernel_copies_into_it_fast() -> None:
             assert buf.nbytes == N
             del buf
     assert pool.reused >= 10
+
+
+def test_an_array_made_from_a_buffer_in_any_way_keeps_its_block() -> None:
+    """However an array, tensor or view is made from a pooled buffer, its block is not handed out
+    again while it lives (NumPy names an array's memory owner through memoryviews and views: a
+    numpy block would be named instead of the lease, which then died under the array)."""
+    pool = BufferPool()
+    makers = {
+        "np.ndarray(buffer=)": lambda b: np.ndarray((4, 100), np.uint8, buffer=b, offset=64),
+        "np.frombuffer": lambda b: np.frombuffer(b, np.uint8)[64:],
+        "np.asarray": lambda b: np.asarray(b)[5:9],
+        "view of a view": lambda b: np.ndarray((N // 2,), np.uint8, buffer=b)[10:].reshape(-1, 2)[3:],
+        "torch.from_numpy": lambda b: torch.from_numpy(np.ndarray((N,), np.uint8, buffer=b))[1:],
+        "torch.frombuffer": lambda b: torch.frombuffer(b, dtype=torch.uint8)[7:],
+        "memoryview slice": lambda b: b[100:200],
+    }
+    for how, make in makers.items():
+        buf = pool.take(N)
+        buf[:] = b"\x07" * N
+        kept = make(buf)
+        del buf
+        gc.collect()
+        assert pool.idle_bytes == 0, f"{how}: the block went back while an array made from it lives"
+        other = pool.take(N)
+        other[:] = b"\x09" * N
+        assert bytes(memoryview(np.ascontiguousarray(kept)).cast("B")[:1]) == b"\x07", how
+        del kept, other
+        gc.collect()
+        assert pool.idle_bytes == 2 * block_size(N), how
+        pool.clear()

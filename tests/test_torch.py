@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import mmap
 import os
 import pickle
 import re
@@ -201,6 +202,26 @@ async def test_a_collated_reader_hands_out_views_of_one_copy_of_the_slice(stream
     assert np.shares_memory(x, np.frombuffer(owner, np.uint8))
 
 
+async def test_batches_a_consumer_holds_keep_their_data_while_later_ones_are_read(tmp_path: Path) -> None:
+    """Slices large enough for pooled memory: every batch held keeps its own samples while the
+    reader fetches the next ones into memory it reuses."""
+    url = f"file://{tmp_path / 's'}"
+    await lakestream.create(url, world_size=1, global_batch=4)
+    async with lakestream.open_producer(url, "p") as p:
+        for i in range(48):
+            await p.put({"__key__": f"{i:04d}", "img": np.full((300, 300), i, np.uint8)})
+    held = []
+    async with lakestream.open_reader(url, 0, 1, collate=True, prefetch=6) as r:
+        async for batch in r.steps(0, 12):
+            assert batch.nbytes >= MIN_POOLED
+            held.append(batch.columns["img"])
+    held += [item["img"] for item in StreamDataset(url, rank=0, world_size=1, stop=12, collate=True)]
+    for n, img in enumerate(held):
+        s = n % 12
+        assert img[:, 0, 0].tolist() == list(range(4 * s, 4 * s + 4)), f"step {s} holds other data"
+        assert (img == np.arange(4 * s, 4 * s + 4, dtype=np.uint8).reshape(4, 1, 1)).all()
+
+
 def _memory_owner(a: Any) -> Any:
     """The object owning the memory an array views, through numpy bases and memoryviews."""
     while True:
@@ -230,7 +251,8 @@ async def test_a_raw_slice_is_the_store_buffer(stream_url: str, monkeypatch: pyt
     assert block.shape == (2, 1 << 19) and block[1].min() == 1
     view = memoryview(raw.data)
     assert not view.readonly and view.nbytes == entry.ranks[0].length
-    assert isinstance(_memory_owner(raw.data), np.ndarray)  # a pool block, not the file or a copy
+    owner = _memory_owner(raw.data)  # a pool block (anonymous memory), not the file or a copy
+    assert isinstance(owner, mmap.mmap) and len(owner) == block_size(entry.ranks[0].length)
 
 
 def test_start_stop_and_empty_range(stream: str) -> None:
