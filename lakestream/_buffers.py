@@ -10,7 +10,8 @@ view of the block, and every array, tensor or view made from that memoryview kee
 alive (the buffer protocol holds a reference to its exporter); when the last one goes, the
 lease's weak-reference callback hands the block back.
 
-A block is anonymous memory (`mmap`), not a numpy array, and the lease a numpy array over it. An
+A block is private anonymous memory (`mmap`, copied on write in a forked child as malloc's is),
+not a numpy array, and the lease a numpy array over it. An
 array's `base` is the first object that owns its memory, found by looking through memoryviews and
 array views: an array made from a lease's buffer (`np.ndarray(..., buffer=...)`, as a slice's
 array blocks are) names the lease, which owns nothing, only if what the lease views is not a
@@ -89,7 +90,7 @@ class BufferPool:
                 self._idle -= size
                 self.reused += 1
         if got is None:
-            block = mmap.mmap(-1, size)
+            block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # not shared with forks
             got = block, np.frombuffer(block, np.uint8, 1).__array_interface__["data"][0]
         block, address = got
         want = -(-(src % PAGE + ALIGN) // ALIGN) * ALIGN  # 64-127 bytes past `src`, on a 64-byte boundary

@@ -4,6 +4,7 @@ from its buffer is left, and idle blocks are bounded."""
 from __future__ import annotations
 
 import gc
+import os
 import threading
 
 import numpy as np
@@ -137,3 +138,18 @@ def test_an_array_made_from_a_buffer_in_any_way_keeps_its_block() -> None:
         gc.collect()
         assert pool.idle_bytes == 2 * block_size(N), how
         pool.clear()
+
+
+def test_a_forked_child_writing_a_pooled_buffer_leaves_the_parents_alone() -> None:
+    """Blocks are private memory: a DataLoader worker forked while the parent holds a batch may
+    write to its copy of it without changing the parent's (copy on write, as with malloc)."""
+    pool = BufferPool()
+    buf = pool.take(N)
+    buf[:] = b"a" * N
+    pid = os.fork()
+    if pid == 0:  # the child: write its copy, then leave without running the parent's cleanup
+        buf[:] = b"b" * N
+        os._exit(0 if bytes(buf[:1]) == b"b" else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert bytes(buf[:1]) == b"a" and bytes(buf[-1:]) == b"a"
