@@ -15,8 +15,8 @@ not a numpy array, and the lease a numpy array over it. An array's `base` is the
 that owns its memory, found by looking through memoryviews and array views: an array made from a
 lease's buffer (`np.ndarray(..., buffer=...)`, as a slice's array blocks are) names the lease,
 which owns nothing, only if what the lease views is not a numpy array too. With numpy blocks,
-NumPy 2.4 named the block: the lease died while the array lived, and its block was handed out
-again for the next slice under the array.
+NumPy (1.26, 2.0, 2.3 and 2.4 alike) named the block: the lease died while the array lived, and
+its block was handed out again for the next slice under the array.
 
 Where a block's bytes start within a page is chosen too. The kernel copies a read into user memory
 with `rep movsb`, which on AMD's Zen cores (most cloud VMs) runs about ten times slower when the
