@@ -202,10 +202,10 @@ async def test_a_collated_reader_hands_out_views_of_one_copy_of_the_slice(stream
     assert np.shares_memory(x, np.frombuffer(owner, np.uint8))
 
 
-async def test_batches_a_consumer_holds_keep_their_data_while_later_ones_are_read(tmp_path: Path) -> None:
-    """Slices large enough for pooled memory: every batch held keeps its own samples while the
-    reader fetches the next ones into memory it reuses."""
-    url = f"file://{tmp_path / 's'}"
+async def test_batches_a_consumer_holds_keep_their_data_while_later_ones_are_read(stream_url: str) -> None:
+    """Slices large enough for pooled memory (a file's range, an S3 response's body): every batch
+    held keeps its own samples while the reader fetches the next ones into memory it reuses."""
+    url = stream_url
     await lakestream.create(url, world_size=1, global_batch=4)
     async with lakestream.open_producer(url, "p") as p:
         for i in range(48):
