@@ -181,7 +181,8 @@ async def open_reader(
     Raises StreamNotFound, ConfigMismatch (world size differs), ValueError (rank out of range).
 
     Options: prefetch (steps fetched ahead at least; 0: none), prefetch_seconds (fetch ahead what the
-    consumer takes in this long at its pace; default 1), max_prefetch_bytes, poll_interval, verify, raw (fields as stored bytes),
+    consumer takes in this long at its pace; default 1; not from a local file:// store, whose reads
+    have no latency to cover), max_prefetch_bytes, poll_interval, verify, raw (fields as stored bytes),
     collate, publish_consumed (publish the trainer's consumption mark, which back-pressure counts
     from; default: rank 0 does), job (the training job whose mark it publishes and whose
     checkpoints `Reader.checkpoint` records; default `main`), follower (a loaded `Manifest` shared by the readers of one node,

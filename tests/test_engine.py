@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -164,10 +165,10 @@ async def test_a_reader_closed_while_a_fetch_finishes_past_its_cancellation_clos
     assert first.step == 0
 
 
-async def _ahead_when_asked(step_time: float, **options: Any) -> list[int]:
+async def _ahead_when_asked(step_time: float, store: Any = None, **options: Any) -> list[int]:
     """How far past each step asked for (after the first) the reader had started fetching, for a
     consumer that takes `step_time` seconds of the reader's clock per step."""
-    store = MemoryStore()
+    store = store or MemoryStore()
     await lakestream.create(store, world_size=W, global_batch=B)
     await produce(store, "p", 60 * B)
     segments = {s.segment: s.step for s in (await lakestream.load_state(store)).steps}
@@ -197,6 +198,15 @@ async def test_prefetch_keeps_about_a_second_of_a_fast_consumers_steps_in_flight
     assert max(await _ahead_when_asked(1.0, prefetch=2)) == 2
     assert max(await _ahead_when_asked(0.05, prefetch=2, prefetch_seconds=0)) == 2  # adaptation off
     assert max(await _ahead_when_asked(0.05, prefetch=0)) == 0  # no prefetch at all
+
+
+async def test_a_local_file_store_is_read_prefetch_steps_ahead_not_a_seconds_worth(tmp_path: Path) -> None:
+    """A local `file://` store's reads have no latency to cover: a fast consumer keeps `prefetch`
+    steps in flight there (not 20, which only hold memory), and one a step a second as many."""
+    store = FileStore(tmp_path / "s")
+    assert store.local
+    assert max(await _ahead_when_asked(0.05, store, prefetch=2)) == 2
+    assert max(await _ahead_when_asked(0.05, FileStore(tmp_path / "t"), prefetch=5)) == 5
 
 
 async def test_a_reader_lets_go_of_each_fetch_once_its_step_is_read() -> None:

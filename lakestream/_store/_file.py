@@ -118,11 +118,19 @@ class FileStore:
             return bytes(buf[:got])
         return buf if got == length else buf[:got]  # type: ignore[return-value]  # a buffer, as the protocol allows
 
-    async def _get(self, key: str, offset: int, length: int | None) -> bytes:
+    @property
+    def local(self) -> bool:
+        """Whether the root is on a local filesystem (a disk or memory), not a network one: its
+        page-cached reads are made on the calling thread and take no longer than a copy, so a
+        reader has no latency to cover by fetching far ahead (`Reader.prefetch_depth`)."""
         if self._here is None:
             fs = filesystem_of(self.root)
             self._here = os.RWF_NOWAIT if fs in DISK_FILESYSTEMS else 0 if fs in MEMORY_FILESYSTEMS else -1
-        if self._here >= 0:
+        return self._here >= 0
+
+    async def _get(self, key: str, offset: int, length: int | None) -> bytes:
+        if self.local:
+            assert self._here is not None
             data = self._read(key, offset, length, self._here, INLINE_BYTES)
             if data is not None:
                 return data
