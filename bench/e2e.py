@@ -68,7 +68,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import SeaweedS3, format_table, load_average, machine_description, removing, temp_dir
-from e2e_work import s3_client, train_transform, write_shards
+from e2e_work import expected_digests, s3_client, train_transform, write_shards
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
@@ -117,6 +117,7 @@ class Run:
     expected: int = 0
     missing: int = 0
     repeated: int = 0
+    wrong: int = 0  # samples whose image bytes are not what the transform made of their record
     extra: dict[str, Any] = field(default_factory=dict)
     mode: str = "live"
 
@@ -176,14 +177,21 @@ class Run:
         return "; ".join(t["error"] for t in self.trainers if t["error"])
 
     def keys_ok(self) -> bool:
-        return self.missing == 0 and self.repeated == 0
+        return self.missing == 0 and self.repeated == 0 and self.wrong == 0
+
+    def keys_text(self) -> str:
+        """What the key and content checks found: `seen/expected, N repeated` (`, N wrong`)."""
+        wrong = f", {self.wrong} wrong" if self.wrong else ""
+        return f"{self.expected - self.missing}/{self.expected}, {self.repeated} repeated{wrong}"
 
 
-def check_keys(run: Run, expected: set[str]) -> None:
+def check_keys(run: Run, expected: set[str], digests: dict[str, int]) -> None:
+    """Every expected key seen once, and every sample's image bytes the transform's (`digests`)."""
     seen: dict[str, int] = {}
     for t in run.trainers:
         for k in t["keys"]:
             seen[k] = seen.get(k, 0) + 1
+        run.wrong += sum(digests.get(k) != d for k, d in zip(t["keys"], t.get("digests", [])))
     run.expected = len(expected)
     run.missing = len(expected - seen.keys())
     run.repeated = sum(c - 1 for c in seen.values() if c > 1) + len(seen.keys() - expected)
@@ -233,7 +241,8 @@ class Bench:
         jpeg = nbytes / a.samples
         log(f"dataset {size} px: {a.samples} samples in {len(paths)} shards, {jpeg / 1000:.0f} KB per JPEG "
             f"(with tar headers), {time.perf_counter() - t0:.1f} s")  # fmt: skip
-        self.data[size] = {"keys": keys, "shares": shares, "expected": expected, "jpeg_bytes": jpeg}
+        digests = expected_digests(paths)  # what each key's image must be, wherever it is read
+        self.data[size] = {"keys": keys, "shares": shares, "expected": expected, "digests": digests, "jpeg_bytes": jpeg}
         return self.data[size]
 
     def steps_for(self, n_samples_per_producer: list[int]) -> int:
@@ -387,7 +396,7 @@ class Bench:
         if producers and not prefill:
             run.extra["readable"] = self.readable_times(producers, target)
         if mode != "ceiling":
-            check_keys(run, data["expected"])
+            check_keys(run, data["expected"], data["digests"])
         if "killed" in fault_info and run.extra.get("readable"):
             ready, asked = lead_at(run, fault_info["killed"])
             run.extra["lead_at_kill"] = ready - asked
@@ -646,7 +655,7 @@ def pipeline_rows(runs: list[Run], ceiling: Run) -> list[list[str]]:
             ms(pct(r.stalls(), 50)), ms(pct(r.stalls(), 99)), ms(r.cpu_per_step), f"{r.cpu_per_sample * 1e6:.0f}",
             f"{r.ttfb:.2f}",
             f"{total * 1000:.2f} = {tr * 1000:.2f} + {plane * 1000:.2f}" if total == total else "-",
-            "-" if r.name == "ceiling" else f"{r.expected - r.missing}/{r.expected}, {r.repeated} repeated",
+            "-" if r.name == "ceiling" else r.keys_text(),
         ])  # fmt: skip
     return rows
 
@@ -910,7 +919,7 @@ def report(a: argparse.Namespace, bench: Bench, sweep: list[int], only: set[str]
         print()
         print(format_table(["pipeline", "samples/s", "trainer CPU µs/sample", "keys"],
                            [[r.name, f"{r.samples_per_s:.0f}", f"{r.cpu_per_sample * 1e6:.0f}",
-                             f"{r.expected - r.missing}/{r.expected}, {r.repeated} repeated"] for r in read_runs]))  # fmt: skip
+                             r.keys_text()] for r in read_runs]))  # fmt: skip
     if faults:
         print()
         print("## Faults (at a third of the run)")
@@ -930,7 +939,8 @@ def report(a: argparse.Namespace, bench: Bench, sweep: list[int], only: set[str]
                          "-" if gap is None else f"{gap:.2f}",
                          f"{ms(pct(other, 50))} / {ms(pct(other, 99))}",
                          f"{ms(pct(during, 50))} / {ms(pct(during, 99))} / {ms(max(during, default=float('nan')))}",
-                         f"{r.missing} missing, {r.repeated} repeated of {r.expected}"])  # fmt: skip
+                         f"{r.missing} missing, {r.repeated} repeated of {r.expected}"
+                         + (f", {r.wrong} wrong" if r.wrong else "")])  # fmt: skip
         print(format_table(["pipeline", "what happened", "steps",
                             "steps readable ahead of rank 0 at the kill (s of training)",
                             "s from the kill to the next step readable", "stall p50 / p99 ms, outside",

@@ -43,7 +43,7 @@ if os.environ.get("E2E_MOSAIC") == "1":  # Mosaic's dataset wrappers for public 
 
 import torch
 import torch.utils.data
-from e2e_work import CROP, decode_slice, proc_cpu, s3_shard_dataset, tree_cpu
+from e2e_work import CROP, decode_slice, image_digest, proc_cpu, s3_shard_dataset, tree_cpu
 
 Batch = tuple[torch.Tensor, list[str]]
 
@@ -203,6 +203,7 @@ def main() -> None:
     asks: list[float] = []  # seconds since the first batch was held, when the step asked
     stalls: list[float] = []
     keys: list[str] = []
+    digests: list[int] = []  # image_digest of each sample held, in the order of `keys`
     touch = 0.0
     error = ""
     t_first = t_end = 0.0
@@ -240,6 +241,8 @@ def main() -> None:
             keys += ks
             c = time.thread_time()
             staging[: imgs.shape[0]].copy_(imgs)
+            if a.mode != "ceiling":  # what arrived, sample by sample (checked against the dataset)
+                digests += [image_digest(staging[j].numpy()) for j in range(imgs.shape[0])]
             touch += time.thread_time() - c
             time.sleep(step_s)
             t_end = time.perf_counter()
@@ -256,6 +259,7 @@ def main() -> None:
         "steps": steps,
         "samples": len(keys),
         "keys": keys,
+        "digests": digests,
         "asks": asks,
         "stalls": stalls,
         "run_s": t_end - t_first if steps else 0.0,

@@ -124,6 +124,31 @@ def train_transform(sample: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def image_digest(img: Any) -> int:
+    """xxh3-64 of one sample's image bytes (uint8 CHW): what a trainer held, or what the transform
+    made of its record. Keys say that every sample arrived once; this says it arrived whole."""
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(img))
+
+
+def expected_digests(paths: list[Path]) -> dict[str, int]:
+    """Each key's `image_digest` of `train_transform` applied to its record in the shards (the
+    transform is seeded by the key, so every pipeline's trainer must hold exactly these bytes)."""
+    records: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        with tarfile.open(path) as tar:
+            for member in tar:
+                f = tar.extractfile(member)
+                if f is not None:
+                    key, _, field = member.name.rpartition(".")
+                    records.setdefault(key, {"__key__": key})[field] = f.read()
+    saved = list(TRANSFORM_CPU)  # the producers' accounting, not this
+    digests = {key: image_digest(train_transform(r)["img"]) for key, r in records.items()}
+    TRANSFORM_CPU[:] = saved
+    return digests
+
+
 # -- CPU accounting -----------------------------------------------------------------------------
 
 _TICK = os.sysconf("SC_CLK_TCK")
