@@ -191,7 +191,8 @@ class Reader:
         self._pace = StepPace()  # when the steps waited for arrived
         self._tg: anyio.abc.TaskGroup | None = None
         self._event: Callable[[], anyio.Event] = anyio.Event
-        self._local: bool = getattr(store, "local", False)  # a local file:// store (FileStore.local)
+        # Every store read from is a local file:// one (FileStore.local): a fork's source counts too.
+        self._local: bool = getattr(store, "local", False)
         self._metrics = _hooks.reader(self)
 
     @property
@@ -698,6 +699,7 @@ class Reader:
             return self.store
         if self._base is None or self._base[0] != base.source:
             store = open_source_store(base.source, self._where(entry, rank))  # read for segments named alike only
+            self._local = self._local and getattr(store, "local", False)  # its reads may have latency to cover
             old, self._base = self._base, (base.source, store)
             if old is not None:
                 await old[1].aclose()

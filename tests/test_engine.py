@@ -209,6 +209,21 @@ async def test_a_local_file_store_is_read_prefetch_steps_ahead_not_a_seconds_wor
     assert max(await _ahead_when_asked(0.05, FileStore(tmp_path / "t"), prefetch=5)) == 5
 
 
+async def test_a_local_fork_of_a_remote_stream_prefetches_a_seconds_worth(tmp_path: Path, s3_url: str) -> None:
+    """A `file://` fork reads its shared steps from its source: from S3 those have latency to
+    cover, so once it reads one it fetches a second of a fast consumer's steps ahead again."""
+    await lakestream.create(s3_url, world_size=W, global_batch=B)
+    await produce(s3_url, "p", 30 * B)
+    fork = f"file://{tmp_path / 'fork'}"
+    await lakestream.fork(s3_url, fork, at_step=20)
+    t = [0.0]
+    async with lakestream.open_reader(fork, 0, prefetch=2, clock=lambda: t[0]) as r:
+        assert r._local  # before any shared step is read
+        async for _ in r.steps(0, 15):
+            t[0] += 0.05
+        assert not r._local and r.prefetch_depth() > 2
+
+
 async def test_a_reader_lets_go_of_each_fetch_once_its_step_is_read() -> None:
     """The fetches a reader holds are the steps prefetched past the one read, never the ones read
     (their slices would stay in memory): after each step, none at or below it, at most the
