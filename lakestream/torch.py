@@ -64,6 +64,7 @@ import io
 import multiprocessing
 import multiprocessing.context
 import os
+import sys
 import threading
 import time
 import weakref
@@ -250,6 +251,9 @@ async def _owned_steps(reader: lakestream.Reader, start: int, stop: int | None, 
         step += stride
 
 
+HELD_MAX = 1024  # tensors a StreamDataset holds that the trainer still refers to (see `_Source`)
+
+
 class _Source:
     """A reader on an event loop in a background thread. Holds no reference to its iterator,
     so that the iterator's finalizer can close it.
@@ -264,7 +268,14 @@ class _Source:
     (`BlockingPortal.start_task_soon` waits for the loop to have started the task before it
     returns, a second round trip, which costs about as much CPU as a step's checks and decoding:
     docs/benchmarks.md, "Thread hops".) The trainer's stalls and pace are timed here, where it
-    asks, not on the loop, which asks a step ahead (`Reader.consumer_paced`)."""
+    asks, not on the loop, which asks a step ahead (`Reader.consumer_paced`).
+
+    The tensors handed over are let go of on the loop, not in the trainer's thread (`hold`,
+    `_release`): PyTorch gives up the GIL in every tensor's deallocation and a tensor over numpy
+    memory takes it back in its deleter, so a trainer dropping its last batch would wait for
+    whichever thread took the GIL meanwhile (the loop at work on the next step, a loader's pump
+    thread) for up to a switch interval. Held here too, a batch the trainer drops only loses a
+    reference; the loop, at the next ask, deallocates the tensors nobody else refers to."""
 
     def __init__(self, url: str, rank: int, world_size: int | None, start: int, stop: int | None, stride: int,
                  options: dict[str, Any]) -> None:  # fmt: skip
@@ -276,6 +287,8 @@ class _Source:
         self.took: float | None = None  # the trainer's time between its last two batches
         self._posting = threading.Lock()  # held by a thread posting an ask: see `_asked`
         self._lock = threading.Lock()
+        self._held: list[Any] = []  # tensors handed over, until nothing else refers to them
+        self._held_lock = threading.Lock()
         self._stack = contextlib.ExitStack()
         self.portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal(name="lakestream-torch"))
         try:
@@ -321,6 +334,27 @@ class _Source:
         if took is not None:
             self.reader.paced(took)
         self.asks.put_nowait(answer)
+        self._release()
+
+    def hold(self, values: list[Any]) -> None:
+        """Keep the tensors among `values`, handed to the trainer, until it lets go of them (`_release`)."""
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        with self._held_lock:
+            self._held += tensors
+
+    def _release(self) -> None:
+        """Let go, on the loop, of the tensors held that nothing else refers to (so that they are
+        deallocated here), keeping the newest `HELD_MAX` of the others."""
+        with self._held_lock:
+            held, self._held = self._held, []
+        if not held:
+            return
+        held.insert(0, object())  # referred to by `held` alone: the count of a tensor let go of
+        counts = [sys.getrefcount(x) for x in held]
+        keep = [x for x, n in zip(held, counts) if n > counts[0]][-HELD_MAX:]
+        with self._held_lock:
+            self._held[:0] = keep
+        del held, keep  # the others are deallocated here
 
     def ask_next(self) -> None:
         """Ask for the batch after the one `next` handed over (once: later calls do nothing). The
@@ -382,6 +416,8 @@ class _Source:
             finally:
                 with contextlib.suppress(RuntimeError):  # RuntimeError: the portal was stopped above
                     self._stack.close()
+                with self._held_lock:
+                    self._held = []
 
 
 def _close_source(source: _Source) -> None:
@@ -425,8 +461,10 @@ class _StreamIterator(Iterator[dict[str, Any]]):
         self._dataset._next_step = batch.step + self._stride
         if batch.columns is not None:
             item = _collated(batch.step, batch.columns)
+            self._source.hold([x for v in item.values() for x in (v if isinstance(v, list) else (v,))])
         else:
             item = {"step": batch.step, "samples": [_convert(s) for s in batch.samples]}
+            self._source.hold([v for s in item["samples"] for v in s.values()])
         self._source.ask_next()  # the next batch, got ready while the trainer uses this one
         return item
 

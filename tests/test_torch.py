@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from mountutil import is_mounted
 from torch.utils.data import DataLoader
 
 import lakestream
+import lakestream.torch as torch_module
 from lakestream._buffers import MIN_POOLED, block_size
 from lakestream.torch import MountDataset, StreamDataset, checkpoint_hook, decode_file, resolve_rank
 
@@ -220,6 +222,66 @@ async def test_batches_a_consumer_holds_keep_their_data_while_later_ones_are_rea
         s = n % 12
         assert img[:, 0, 0].tolist() == list(range(4 * s, 4 * s + 4)), f"step {s} holds other data"
         assert (img == np.arange(4 * s, 4 * s + 4, dtype=np.uint8).reshape(4, 1, 1)).all()
+
+
+@pytest.mark.parametrize("collate", [True, False])
+async def test_tensors_a_trainer_lets_go_of_are_deallocated_on_the_datasets_thread(
+    tmp_path: Path, collate: bool
+) -> None:
+    """PyTorch gives up the GIL in every tensor's deallocation, so a trainer dropping its last batch
+    would wait for whichever thread took the GIL meanwhile. The dataset holds the tensors it hands
+    over and lets go of them on its own thread once the trainer has; a batch the trainer keeps is
+    neither let go of nor changed, and what the dataset holds is bounded."""
+    url = f"file://{tmp_path}/s"
+    await lakestream.create(url, world_size=1, global_batch=2)
+    async with lakestream.open_producer(url, "p") as p:
+        for i in range(24):
+            await p.put({"__key__": f"{i:04d}", "img": np.full((300, 300), i, np.uint8)})
+    died: dict[int, int] = {}  # step -> the thread its last tensor was deallocated on
+    trainer = threading.get_ident()
+    kept: list[Any] = []
+
+    def gone(step: int) -> None:
+        died[step] = threading.get_ident()
+
+    it = iter(StreamDataset(url, rank=0, world_size=1, stop=12, collate=collate))
+    for item in it:
+        tensors = [item["img"]] if collate else [s["img"] for s in item["samples"]]
+        for t in tensors:
+            weakref.finalize(t, gone, item["step"])
+        if item["step"] == 3:
+            kept.append(tensors)
+        assert it._source is not None and len(it._source._held) <= torch_module.HELD_MAX
+    del item, tensors
+    gc.collect()
+    assert 3 not in died
+    assert all(
+        torch.equal(t, torch.full((300, 300), 6 + j, dtype=torch.uint8))
+        for j, t in enumerate([kept[0][0][0], kept[0][0][1]] if collate else kept[0])
+    )
+    released = {s: t for s, t in died.items() if s <= 8}
+    assert sorted(released) == [0, 1, 2, 4, 5, 6, 7, 8]
+    assert trainer not in released.values(), released
+
+
+def test_a_dataset_holds_no_more_tensors_than_its_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer that keeps every batch: the dataset's own references stop at `HELD_MAX` tensors."""
+    monkeypatch.setattr(torch_module, "HELD_MAX", 3)
+    url = f"file://{tmp_path}/s"
+
+    async def fill() -> None:
+        await lakestream.create(url, world_size=1, global_batch=1)
+        async with lakestream.open_producer(url, "p") as p:
+            for i in range(10):
+                await p.put({"__key__": f"{i:04d}", "x": np.full(4, i, np.int32)})
+
+    anyio.run(fill)
+    it = iter(StreamDataset(url, rank=0, world_size=1, stop=10, collate=True))
+    items = []
+    for item in it:
+        items.append(item)
+        assert it._source is not None and len(it._source._held) <= 4  # the bound, and the newest
+    assert [i["x"].tolist() for i in items] == [[[s] * 4] for s in range(10)]
 
 
 def _memory_owner(a: Any) -> Any:
