@@ -845,15 +845,22 @@ def _numpy(value: Any) -> Any:
 def _read_batch(path: str, size: int, n: int) -> np.ndarray:
     """A step's `_batch/<field>.npy` of `size` bytes (from `_meta.json`): one open and one read
     into one buffer (pooled memory, _buffers.py), whose array part is the column (`(n, *shape)`,
-    writable, no other copy)."""
+    writable, no other copy). The file's length is checked from its attributes, which the kernel
+    has from the lookup, not with a read at the end (a request to the mount, read with O_DIRECT)."""
     view = pool.take(size)
     buf = np.frombuffer(view, np.uint8)
     with _open_direct(path) as f:
-        got = 0
-        while got < size and (k := f.readinto(view[got:])):  # one read, unless the kernel returns less
-            got += k
-        if got != size or f.read(1):
+        if os.fstat(f.fileno()).st_size != size:
             raise lakestream.CorruptData(f"{path}: not the {size} bytes _meta.json says")
+        try:
+            got = _fill(f, view)
+        except OSError as e:  # O_DIRECT outside FUSE (a copy on ext4) wants aligned memory
+            if e.errno != errno.EINVAL:
+                raise
+            with open(path, "rb", buffering=0) as plain:
+                got = _fill(plain, view)
+    if got != size:
+        raise lakestream.CorruptData(f"{path}: not the {size} bytes _meta.json says")
     try:
         dtype, shape, fortran, start = npy_info(buf)
     except ValueError as e:
@@ -861,6 +868,14 @@ def _read_batch(path: str, size: int, n: int) -> np.ndarray:
     if fortran or not shape or shape[0] != n:
         raise lakestream.CorruptData(f"{path}: an array of shape {shape}, expected {n} C-order rows")
     return buf[start:].view(dtype).reshape(shape)
+
+
+def _fill(f: Any, view: memoryview) -> int:
+    """Read `f` into `view` until it is full or the file ends: the bytes read."""
+    got = 0
+    while got < len(view) and (k := f.readinto(view[got:])):  # one read, unless the kernel returns less
+        got += k
+    return got
 
 
 def _open_direct(path: str) -> Any:

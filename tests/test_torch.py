@@ -284,6 +284,29 @@ def test_a_dataset_holds_no_more_tensors_than_its_bound(tmp_path: Path, monkeypa
     assert [i["x"].tolist() for i in items] == [[[s] * 4] for s in range(10)]
 
 
+@pytest.mark.parametrize("where", ["disk", "memory"])
+def test_a_batch_file_is_read_whole_and_checked_against_its_size(tmp_path: Path, where: str) -> None:
+    """`_batch/<field>.npy` as MountDataset reads it: exactly the size `_meta.json` gives, checked
+    from the file's attributes (no read past the end); a file of another length is CorruptData.
+    Also from a copy outside a mount (O_DIRECT wants aligned memory there: read plainly)."""
+    from lakestream.torch import _read_batch
+
+    a = np.arange(96, dtype=np.uint16).reshape(4, 24)
+    path = (tmp_path if where == "disk" else Path("/dev/shm")) / f"batch-{os.getpid()}-{where}.npy"
+    np.save(path, a)
+    try:
+        size = path.stat().st_size
+        got = _read_batch(str(path), size, 4)
+        assert got.dtype == a.dtype and got.tolist() == a.tolist()
+        for wrong in (size - 1, size + 1):
+            with pytest.raises(lakestream.CorruptData, match=f"not the {wrong} bytes"):
+                _read_batch(str(path), wrong, 4)
+        with pytest.raises(lakestream.CorruptData, match="expected 5"):
+            _read_batch(str(path), size, 5)
+    finally:
+        path.unlink()
+
+
 def _memory_owner(a: Any) -> Any:
     """The object owning the memory an array views, through numpy bases and memoryviews."""
     while True:
