@@ -714,7 +714,7 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
         """The mount's `_status.json`."""
         path = os.path.join(self.mountpoint, STATUS_NAME)
         try:
-            with open(path, "rb") as f:
+            with open(path, "rb", buffering=0) as f:  # unbuffered: see `_read_file`
                 status: dict[str, Any] = orjson.loads(f.read())
                 return status
         except FileNotFoundError:
@@ -797,7 +797,7 @@ class MountDataset(_Resumable, torch.utils.data.IterableDataset):  # type: ignor
         while True:
             try:
                 # The lookup of the step directory waits (up to the mount's --wait) for the step to commit.
-                with open(os.path.join(d, META_NAME), "rb") as f:
+                with open(os.path.join(d, META_NAME), "rb", buffering=0) as f:  # see `_read_file`
                     meta = orjson.loads(f.read())
                 break
             except InterruptedError:  # a signal ended the mount's wait and its handler returned
@@ -833,7 +833,9 @@ def _values(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def _read_file(d: str, name: str, tag: str | None) -> Any:
-    with open(os.path.join(d, name), "rb") as f:
+    # Unbuffered, or with a buffer size given: Python's default buffering asks whether the file is
+    # a terminal (an ioctl), which on the mount is one more request to the daemon for every file.
+    with open(os.path.join(d, name), "rb", buffering=0) as f:
         return decode_file(name, f.read(), tag)
 
 
@@ -899,7 +901,7 @@ def _read_npy_column(paths: list[str]) -> np.ndarray | None:
     into its row; None unless every file is a C-order array of the first one's dtype and shape."""
     out: np.ndarray | None = None
     for j, path in enumerate(paths):
-        with open(path, "rb") as f:
+        with io.BufferedReader(io.FileIO(path)) as f:  # not open(): see `_read_file`
             try:
                 version = np.lib.format.read_magic(f)
                 read_header = (
