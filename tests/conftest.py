@@ -11,6 +11,7 @@ from __future__ import annotations
 import compileall
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -42,8 +43,15 @@ def pytest_configure(config: pytest.Config) -> None:
     the packages the tests import (a CLI subprocess reads the .pyc files whatever PYTHONDONTWRITEBYTECODE
     says, and starts in half the CPU), mark the environment every later process inherits, and start the
     reaper in a session of its own (a Ctrl-C at the terminal does not reach it), with the read end of a pipe
-    only this process writes to."""
+    only this process writes to.
+
+    A run started in the background by a shell without job control (`nohup ./.ci/run &`) inherits
+    SIGINT ignored, and every process it starts would too: the tests that stop a caller, a CLI
+    command or a server with Ctrl-C's signal need it to act as it does at a terminal, so it is
+    restored here, in every process of the run (its children then start with the default)."""
     sys.dont_write_bytecode = False
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if hasattr(config, "workerinput") or RUN_VAR in os.environ:
         return  # an xdist worker, or a run inside a run: the outer reaper covers it
     for package in ("lakestream", "lakestream_mount"):
