@@ -251,6 +251,27 @@ async def _owned_steps(reader: lakestream.Reader, start: int, stop: int | None, 
         step += stride
 
 
+_PORTALS: weakref.WeakSet[Any] = weakref.WeakSet()  # the portals (context managers) this process started
+_INHERITED: list[Any] = []  # in a forked child: its parent's portals, kept for good
+
+
+def _start_portal(name: str) -> Any:
+    """`anyio.from_thread.start_blocking_portal(name=name)`, remembered for `_keep_inherited_portals`."""
+    cm = anyio.from_thread.start_blocking_portal(name=name)
+    _PORTALS.add(cm)
+    return cm
+
+
+def _keep_inherited_portals() -> None:
+    """In a forked child (a DataLoader worker): never let go of the parent's portals. Their event
+    loop threads were not forked, and letting go of one closes its generator, which waits for its
+    thread to stop: for ever, here."""
+    _INHERITED.extend(_PORTALS)
+    _PORTALS.clear()
+
+
+os.register_at_fork(after_in_child=_keep_inherited_portals)
+
 HELD_MAX = 1024  # tensors a StreamDataset holds that the trainer still refers to (see `_Source`)
 
 
@@ -290,7 +311,7 @@ class _Source:
         self._held: list[Any] = []  # tensors handed over, until nothing else refers to them
         self._held_lock = threading.Lock()
         self._stack = contextlib.ExitStack()
-        self.portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal(name="lakestream-torch"))
+        self.portal = self._stack.enter_context(_start_portal("lakestream-torch"))
         try:
             self.loop_thread = self.portal.call(threading.get_ident)
             self._scope = self.portal.call(anyio.CancelScope)  # `_serve`'s
@@ -931,6 +952,19 @@ def _read_npy_column(paths: list[str]) -> np.ndarray | None:
 # -- checkpoints ---------------------------------------------------------------------------------
 
 
+def _close_portal(cm: Any, pid: int, thread: int) -> None:
+    """Stop a portal's event-loop thread (a CheckpointHook's finalizer). In a forked child (a
+    DataLoader worker that inherited the hook and garbage-collects it) that thread is not there:
+    waiting for it would hang the child for ever, so there is nothing to do. On that thread itself
+    (a garbage collection running there), from another thread: it cannot wait for itself."""
+    if os.getpid() != pid:
+        return
+    if threading.get_ident() == thread:
+        threading.Thread(target=_close_portal, args=(cm, pid, -1), daemon=True, name="lakestream-hook-close").start()
+        return
+    cm.__exit__(None, None, None)
+
+
 class CheckpointHook:
     """`hook(step, checkpoint_id=None, *, wait=False) -> bool`: records, on rank 0, that the
     trainer's checkpoint at `step` is durable (`lakestream.checkpoint`). Other ranks: a no-op
@@ -960,9 +994,10 @@ class CheckpointHook:
         cid = checkpoint_id if checkpoint_id is not None else f"step-{step}"
         with self._lock:
             if self._portal is None:
-                self._portal_cm = anyio.from_thread.start_blocking_portal()
+                self._portal_cm = _start_portal("lakestream-checkpoint")
                 self._portal = self._portal_cm.__enter__()
-                weakref.finalize(self, self._portal_cm.__exit__, None, None, None)
+                thread = self._portal.call(threading.get_ident)
+                weakref.finalize(self, _close_portal, self._portal_cm, os.getpid(), thread)
             future: Future[bool] = self._portal.start_task_soon(self._record, cid, step)
             self._pending.append(future)
         if not wait:

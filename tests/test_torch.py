@@ -693,6 +693,41 @@ def test_checkpoint_hook_records_on_rank_0_only(tmp_path: Path) -> None:
     assert hook(3, wait=False) is True
 
 
+@pytest.mark.parametrize("what", ["hook", "iterator"])
+def test_what_a_forked_child_inherits_and_lets_go_of_does_not_hang_it(tmp_path: Path, what: str) -> None:
+    """A DataLoader worker forked from the trainer inherits its checkpoint hook and any StreamDataset
+    iterator it has open, but not their event-loop threads: letting go of them there (a garbage
+    collection) must not wait for those threads."""
+    url = make_stream(tmp_path / "stream", 3)
+    hook = checkpoint_hook(url, rank=0)
+    assert hook(1, wait=True) is True
+    it = iter(StreamDataset(url, rank=0, world_size=2))
+    next(it)
+    pid = os.fork()
+    if pid == 0:  # the child: let go of it, then exit
+        try:
+            if what == "hook":
+                del hook
+            else:
+                del it
+            gc.collect()
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 20
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung letting go of the hook")
+        time.sleep(0.05)
+    assert hook(2, wait=True) is True  # the parent's are untouched
+    assert next(it)["step"] == 1
+    threads = threading.active_count()
+    del hook, it
+    gc.collect()
+    wait_until(lambda: threading.active_count() <= threads - 2, timeout=10)  # their portals' threads ended
+
+
 def test_decode_file() -> None:
     import io
 
