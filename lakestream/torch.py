@@ -610,7 +610,10 @@ class StreamDataset(_Resumable, torch.utils.data.IterableDataset):  # type: igno
     a background thread, closed when the iterator is exhausted, closed or garbage-collected. It asks
     for the next batch as it hands one over, so that the batch is fetched and decoded while the
     trainer uses this one; rank 0's consumption mark (back-pressure) counts a batch handed over as
-    consumed.
+    consumed. It also keeps a reference to the tensors it hands over until, at the next batch
+    asked for, nothing else refers to them, so that they are deallocated on that thread rather than
+    the trainer's (a tensor's deallocation gives up the GIL); it keeps at most `HELD_MAX` tensors
+    that the trainer still holds, and none once the iterator is closed.
     """
 
     def __init__(
