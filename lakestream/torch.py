@@ -857,8 +857,9 @@ def _values(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def _read_file(d: str, name: str, tag: str | None) -> Any:
-    # Unbuffered, or with a buffer size given: Python's default buffering asks whether the file is
-    # a terminal (an ioctl), which on the mount is one more request to the daemon for every file.
+    # Unbuffered here, or in a BufferedReader made over a FileIO (`_read_npy_column`): open()'s
+    # default buffering asks whether the file is a terminal (an ioctl), which on the mount is one
+    # more request to the daemon for every file.
     with open(os.path.join(d, name), "rb", buffering=0) as f:
         return decode_file(name, f.read(), tag)
 
