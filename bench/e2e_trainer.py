@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -249,6 +250,9 @@ def main() -> None:
             if progress >= 0:
                 os.pwrite(progress, b"%10d" % len(stalls), 0)
     except Exception as e:  # what a training loop sees when its input pipeline fails
+        # DataLoader's SIGCHLD handler raises again when another worker exits (as a killed
+        # worker's siblings do): not while this is reported.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         traceback.print_exc()
     cpu_end = node_cpu()
