@@ -332,12 +332,13 @@ class Reader:
                 if empty:
                     self._pace.arrived(step, self.manifest.found_at)
                 return entry
-            applied = await self.manifest.follow(enough=lambda: self.state.step(step) is not None)
-            if check is not None:
-                check()
-            if applied:
-                empty = min(empty, 1)
-                continue
+            if empty or not self._just_confirmed():
+                applied = await self.manifest.follow(enough=lambda: self.state.step(step) is not None)
+                if check is not None:
+                    check()
+                if applied:
+                    empty = min(empty, 1)
+                    continue
             left = deadline - clock()
             if left <= 0:
                 raise TimeoutError(f"{self.url}: step {step} not committed within {timeout} s")
@@ -491,13 +492,19 @@ class Reader:
     def _read_ahead_due(self, step: int, depth: int) -> bool:
         """Whether to read the log on in the background, so that the next steps are known (and
         fetched) before they are asked for, not one round trip after: at once within `prefetch`
-        steps of the known head; within the adaptive depth, once the tail was last confirmed
+        steps of the known head (unless a read just found the log's end); within the adaptive depth, once the tail was last confirmed
         READ_AHEAD_EVERY ago (a fast consumer learns of a version about that soon after it lands,
         at a bounded rate of log reads per view, shared by the ranks following it)."""
         head = self.state.head
         if head < step + self.prefetch:
-            return True
+            return not self._just_confirmed()
         return head < step + depth and self.manifest.clock() - self.manifest.confirmed_at >= READ_AHEAD_EVERY
+
+    def _just_confirmed(self) -> bool:
+        """Whether a read of the log found its end less than `poll_min` ago (the read that found
+        the step before goes on to the end): reading it again now would find what that read found,
+        so a wait counts that read as its first look, and no read ahead is started."""
+        return self.manifest.clock() - self.manifest.confirmed_at < self.poll_min
 
     async def _read_ahead(self) -> None:
         try:

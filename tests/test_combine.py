@@ -910,7 +910,8 @@ def test_a_reader_at_the_tail_of_a_steady_stream_reads_the_log_about_three_times
     trainer waiting on its producers): once a read of the log finds the next step is not there,
     its reader sleeps until the step is due at the pace the last ones arrived, and it stops
     reading once it has the step, so it reads the log about three times a step (the read ahead
-    after a step, one too early, one that finds it), not once for each doubling of the poll
+    after a step, one too early, one that finds it; a wait that starts moments after a read found
+    the log's end counts that read as its first look), not once for each doubling of the poll
     interval from `poll_min` and twice more to confirm the tail after finding the step (seven a
     step), and learns of each step within a few ms of it landing, not up to half a gap late. (On a store answering in a millisecond or two, as a local
     one does: at S3's 25 ms a read, fewer fit in a gap either way.)
@@ -946,11 +947,14 @@ def test_a_reader_at_the_tail_of_a_steady_stream_reads_the_log_about_three_times
     requests = counted[1] - counted[0]
     log_gets = sum(c for (who, _, area), c in requests.items() if who == "reader" and area == "_lakestream/log/")
     assert len(lags) >= 90, len(lags)
-    assert log_gets / len(lags) <= 4.0, (log_gets, len(lags))
+    # Measured: 3.4 reads a step locally, 3.2 at S3's latencies (where no read of the tail is that
+    # fresh); before a wait counted a read that had just found the log's end as its first look: 3.9.
+    assert log_gets / len(lags) <= 3.6, (log_gets, len(lags))
     p50, p90 = lags[len(lags) // 2], lags[len(lags) * 9 // 10]
     if store == "local":
-        # Measured: 3.8 reads a step, lag p50 5 ms, max 16 ms; before (polling from `poll_min` at each
-        # wait, and confirming the tail after each step found): 7.2 reads a step, p50 17 ms, max 81 ms.
+        # Measured: lag p50 5 ms, max 18 ms (3.9 reads a step: p50 4 ms, max 11 ms); before (polling
+        # from `poll_min` at each wait, and confirming the tail after each step found): 7.2 reads a
+        # step, p50 17 ms, max 81 ms.
         assert p50 <= 0.01 and lags[-1] <= 0.05, (p50, lags[-5:])
     else:  # Measured: 3.2 reads a step, lag p50 32 ms, p90 53 ms, max 71 ms.
         assert p50 <= 0.05 and p90 <= 0.1, (p50, p90, lags[-5:])
