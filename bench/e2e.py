@@ -1014,10 +1014,12 @@ def report(a: argparse.Namespace, bench: Bench, sweep: list[int], only: set[str]
             verdicts.append((f"{r.name}: training went on: {not r.error and r.steps > 0}, {r.missing} samples lost, "
                              f"{r.repeated} repeated", (not r.error) and r.keys_ok() and "killed" in r.extra))  # fmt: skip
         if "producer kill" in r.name and "Lakestream" in r.name and (during := fault_window(r)[0]):
-            lead = r.extra.get("lead_at_kill")
+            broker = next((b for b in faults if "NATS" in b.name and "producer kill" in b.name), None)
+            versus = "" if broker is None else (f"; broker {ms(pct(fault_window(broker)[0], 99))} ms, lead "
+                                                f"{broker.extra.get('lead_at_kill')} steps")  # fmt: skip
             verdicts.append((f"{r.name}: stall p99 from the kill to restart + 5 s {ms(pct(during, 99))} ms, lead at "
-                             f"the kill {lead} steps, store CPUs {a.store_cpus} (target <= "
-                             f"{TARGET_KILL_STALL_S * 1000:g} ms)", pct(during, 99) <= TARGET_KILL_STALL_S))  # fmt: skip
+                             f"the kill {r.extra.get('lead_at_kill')} steps{versus}; store CPUs {a.store_cpus} "
+                             f"(target <= {TARGET_KILL_STALL_S * 1000:g} ms)", pct(during, 99) <= TARGET_KILL_STALL_S))  # fmt: skip
     if mos and ahead:  # both read a stream (MDS shards) that was whole before the trainer started
         lake = [f"{r.name}{' (ahead)' if r.mode == 'ahead' else ''} {r.ttfb:.2f} s" for r in (ahead, stream, mnt) if r]
         verdicts.append((f"first batch, Lakestream no later than Mosaic Streaming's {mos.ttfb:.2f} s (both prefilled): "
