@@ -492,9 +492,10 @@ class Reader:
     def _read_ahead_due(self, step: int, depth: int) -> bool:
         """Whether to read the log on in the background, so that the next steps are known (and
         fetched) before they are asked for, not one round trip after: at once within `prefetch`
-        steps of the known head (unless a read just found the log's end); within the adaptive depth, once the tail was last confirmed
-        READ_AHEAD_EVERY ago (a fast consumer learns of a version about that soon after it lands,
-        at a bounded rate of log reads per view, shared by the ranks following it)."""
+        steps of the known head (unless a read just found the log's end); within the adaptive
+        depth, once the tail was last confirmed READ_AHEAD_EVERY ago (a fast consumer learns of a
+        version about that soon after it lands, at a bounded rate of log reads per view, shared by
+        the ranks following it)."""
         head = self.state.head
         if head < step + self.prefetch:
             return not self._just_confirmed()
