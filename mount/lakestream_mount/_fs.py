@@ -135,7 +135,7 @@ def signal_pending(tid: int) -> bool:
     if tid <= 0:
         return False
     try:
-        with open(f"/proc/{tid}/status", "rb") as f:
+        with open(f"/proc/{tid}/status", "rb", buffering=0) as f:  # unbuffered: no isatty ioctl
             status = f.read()
     except OSError:
         return False
@@ -732,7 +732,9 @@ class LakeFS(pyfuse3.Operations):
                 left = deadline - self.clock()
                 if left <= 0 or self.closing.is_set() or self._past_end(step):
                     return False
-                if signal_pending(caller):
+                # Looked at once the wait is under way, not as it starts: a wait at the tail usually
+                # ends at the next commit, before INTERRUPT_POLL, and then costs no read of /proc.
+                if waited and signal_pending(caller):
                     log.info("step %d: caller %d got a signal while waiting for it: EINTR", step, caller)
                     raise pyfuse3.FUSEError(errno.EINTR)
                 if not waited:
