@@ -332,7 +332,7 @@ class Reader:
                 if empty:
                     self._pace.arrived(step, self.manifest.found_at)
                 return entry
-            if empty or not self._just_confirmed():
+            if empty or not self._just_confirmed() or deadline - clock() <= self.poll_min:
                 applied = await self.manifest.follow(enough=lambda: self.state.step(step) is not None)
                 if check is not None:
                     check()
@@ -504,7 +504,8 @@ class Reader:
     def _just_confirmed(self) -> bool:
         """Whether a read of the log found its end less than `poll_min` ago (the read that found
         the step before goes on to the end): reading it again now would find what that read found,
-        so a wait counts that read as its first look, and no read ahead is started."""
+        so a wait counts that read as its first look (unless its timeout ends sooner: it then looks
+        once before it gives up), and no read ahead is started."""
         return self.manifest.clock() - self.manifest.confirmed_at < self.poll_min
 
     async def _read_ahead(self) -> None:

@@ -295,6 +295,22 @@ async def test_nothing_visible_before_the_commit_record(tmp_path) -> None:
     assert state.head == 0 and state.step(0).samples == B
 
 
+async def test_a_wait_whose_timeout_ends_before_its_next_look_looks_once_however_fresh_the_view() -> None:
+    """A read that just found the log's end counts as a wait's first look (no second read moments
+    later), but a wait whose timeout ends before it would look again still looks once: a step
+    committed since is found, not reported missing."""
+    inner = MemoryStore()
+    await lakestream.create(inner, world_size=1, global_batch=B)
+    await produce(inner, "p", B)  # step 0
+    t = [0.0]  # the reader's clock, still: every read of the log it makes is "just now"
+    async with lakestream.open_reader(inner, 0, 1, clock=lambda: t[0]) as r:
+        assert (await r.read_step(0)).step == 0
+        reads = r.manifest.requests
+        await produce(inner, "p", 2 * B)  # step 1, committed after the reader's view was confirmed
+        entry = await r.wait_for_step(1, timeout=0)  # looks once although the view is fresh
+        assert entry.step == 1 and r.manifest.requests > reads
+
+
 async def test_ambiguous_commits_are_not_duplicated() -> None:
     inner = MemoryStore()
     await lakestream.create(inner, world_size=W, global_batch=B)
