@@ -68,7 +68,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -876,17 +876,7 @@ def _read_batch(path: str, size: int, n: int) -> np.ndarray:
     has from the lookup, not with a read at the end (a request to the mount, read with O_DIRECT)."""
     view = pool.take(size)
     buf = np.frombuffer(view, np.uint8)
-    with _open_direct(path) as f:
-        if os.fstat(f.fileno()).st_size != size:
-            raise lakestream.CorruptData(f"{path}: not the {size} bytes _meta.json says")
-        try:
-            got = _fill(f, view)
-        except OSError as e:  # O_DIRECT outside FUSE (a copy on ext4) wants aligned memory
-            if e.errno != errno.EINVAL:
-                raise
-            with open(path, "rb", buffering=0) as plain:
-                got = _fill(plain, view)
-    if got != size:
+    if _read_whole(path, view) != size:
         raise lakestream.CorruptData(f"{path}: not the {size} bytes _meta.json says")
     try:
         dtype, shape, fortran, start = npy_info(buf)
@@ -897,24 +887,29 @@ def _read_batch(path: str, size: int, n: int) -> np.ndarray:
     return buf[start:].view(dtype).reshape(shape)
 
 
-def _fill(f: Any, view: memoryview) -> int:
-    """Read `f` into `view` until it is full or the file ends: the bytes read."""
-    got = 0
-    while got < len(view) and (k := f.readinto(view[got:])):  # one read, unless the kernel returns less
-        got += k
-    return got
-
-
-def _open_direct(path: str) -> Any:
-    """`path` opened for reading with O_DIRECT where the filesystem takes it (FUSE does): a
-    batch is read once, whole, so it goes straight from the mount into the reader's buffer, not
-    through the page cache, which fills and copies it page by page. Without O_DIRECT elsewhere."""
+def _read_whole(path: str, view: memoryview) -> int:
+    """Read the file at `path`, of `len(view)` bytes by its attributes (else CorruptData), into
+    `view`: the bytes read. With O_DIRECT where the filesystem takes it (FUSE does): a batch is
+    read once, whole, so it goes straight from the mount into the reader's buffer, not through the
+    page cache, which fills and copies it page by page. Without it where the filesystem refuses it
+    (EINVAL), at the open or at the first read (ext4 takes the open of a `_batch` file copied
+    there, and refuses a read into memory not aligned as O_DIRECT wants)."""
     try:
-        return open(path, "rb", buffering=0, opener=_direct)
+        return _read_into(path, view, _direct)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-        return open(path, "rb", buffering=0)
+    return _read_into(path, view, None)
+
+
+def _read_into(path: str, view: memoryview, opener: Callable[[str, int], int] | None) -> int:
+    with open(path, "rb", buffering=0, opener=opener) as f:
+        if os.fstat(f.fileno()).st_size != len(view):
+            raise lakestream.CorruptData(f"{path}: not the {len(view)} bytes _meta.json says")
+        got = 0
+        while got < len(view) and (k := f.readinto(view[got:])):  # one read, unless the kernel returns less
+            got += k
+        return got
 
 
 def _direct(path: str, flags: int) -> int:
