@@ -180,7 +180,8 @@ async def open_reader(
 
     Raises StreamNotFound, ConfigMismatch (world size differs), ValueError (rank out of range).
 
-    Options: prefetch (steps fetched ahead at least; 0: none), prefetch_seconds (fetch ahead what the
+    Options: prefetch (steps fetched ahead at least; 0: none; from a local file:// store, the next
+    step fetched and the others read into the page cache), prefetch_seconds (fetch ahead what the
     consumer takes in this long at its pace; default 1; not from a local file:// store, whose reads
     have no latency to cover), max_prefetch_bytes, poll_interval, verify, raw (fields as stored bytes),
     collate, publish_consumed (publish the trainer's consumption mark, which back-pressure counts

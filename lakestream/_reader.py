@@ -6,7 +6,8 @@ each step it fetches only its rank's slice with one range GET, checks the checks
 holds, and decodes it (with `collate`, into columns: an array field stored as a block is one view
 of the fetched bytes). Committed steps are fetched ahead: as many as the consumer takes in
 `prefetch_seconds` at the pace it has been taking them, at least `prefetch` (0: none), at most
-`PREFETCH_MAX_STEPS`, within a byte bound; from a local `file://` store, `prefetch`.
+`PREFETCH_MAX_STEPS`, within a byte bound. From a local `file://` store, `prefetch`: the next step
+fetched, the others only read into the page cache.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ class _Fetch:
 
 
 PREFETCH_MAX_STEPS = 128  # steps fetched ahead at most, however fast the consumer (bounds the requests in flight)
+LOCAL_FETCH_AHEAD = 1  # steps fetched ahead into memory from a local file:// store (the rest: page cache)
 READ_AHEAD_EVERY = 0.1  # seconds between reads of the log ahead of a fast consumer, per view of it
 STEP_TIME_WEIGHT = 0.2  # weight of the newest step in the consumer's smoothed time per step
 
@@ -177,8 +179,9 @@ class Reader:
         self.consumed = -1  # the last step `steps` yielded whose next step was then asked for
         self._published = -1  # the consumption mark last published
         self._reading_ahead = False
-        # Prefetches: (the rules they were started under, the step asked for then, the last started).
-        self._ahead: tuple[Any, int, int] = (None, -1, -1)
+        # Prefetches: (the rules they were started under, the step asked for then, the last started,
+        # the last read into the page cache).
+        self._ahead: tuple[Any, int, int, int] = (None, -1, -1, -1)
         self._checkpoints: deque[_Checkpoint] = deque()  # asked for, not recorded yet; the first in progress
         self._checkpoint_error: Exception | None = None
         self.bytes_fetched = 0
@@ -449,9 +452,8 @@ class Reader:
         """Steps to fetch ahead of the one asked for: what the consumer takes in `prefetch_seconds`
         at its smoothed pace (a fast trainer is not left waiting on the slowest of a step's GETs),
         at least `prefetch`, at most PREFETCH_MAX_STEPS; none when `prefetch` is 0. From a local
-        `file://` store, `prefetch`: its reads have no latency to cover, and slices fetched far
-        ahead only hold memory, each written long before it is read (a fast consumer's 128 steps
-        of 2.35 MB are 300 MB of buffers the cache has long let go of)."""
+        `file://` store, `prefetch`, of which only the first LOCAL_FETCH_AHEAD are fetched into
+        memory and the rest read into the page cache (`_prefetch_after`)."""
         if self.prefetch == 0 or self.prefetch_seconds == 0 or self.step_time is None or self._local:
             return self.prefetch
         if self.step_time * PREFETCH_MAX_STEPS <= self.prefetch_seconds:
@@ -466,14 +468,22 @@ class Reader:
         last = min(self.state.head, step + depth)
         if stop is not None:
             last = min(last, stop - 1)
-        # Steps up to the last started were started already, unless a rewind or reshape (or a new
-        # view of the log) changed what they are, or an earlier step is asked for (fetches up to the
-        # step asked for are let go): each step is looked at once, not once per step asked.
+        # From a local store the reads have no latency to cover, only a disk's: the next step is
+        # fetched (ready for a consumer that asks while it works on this one), and the steps after
+        # it are only read into the page cache, so that each is copied into memory just before it is
+        # used. Fetched far ahead, a slice only held memory, written long before it was read: a
+        # cold copy (`bench/ingest.py --floor`: 15-25% more time a step at prefetch 4 than 1).
+        fetch_last = min(last, step + LOCAL_FETCH_AHEAD) if self._local else last
+        # Steps up to the last started (and advised) were so already, unless a rewind or reshape
+        # (or a new view of the log) changed what they are, or an earlier step is asked for
+        # (fetches up to the step asked for are let go): each step is looked at once, not once
+        # per step asked.
         state = self.state
         rules = (id(state), state.rewinds, state.shapes[-1] if state.shapes else None)
-        was, asked, started = self._ahead
-        n = max(step + 1, started + 1) if was == rules and step >= asked else step + 1
-        while n <= last:
+        was, asked, started, advised = self._ahead
+        same = was == rules and step >= asked
+        n = max(step + 1, started + 1) if same else step + 1
+        while n <= fetch_last:
             entry = state.step(n)
             if entry is None:
                 break
@@ -487,7 +497,32 @@ class Reader:
                     break
                 self._start(entry)
             n += 1
-        self._ahead = (rules, step, n - 1)
+        k = max(n, advised + 1) if same else n
+        while k <= last and (entry := state.step(k)) is not None and self._will_need(entry):
+            k += 1
+        self._ahead = (rules, step, n - 1, k - 1)
+
+    def _will_need(self, entry: Step) -> bool:
+        """Have the page cache read this rank's slices of `entry` ahead (`FileStore.will_need`);
+        False if the step cannot be read as this reader's (its fetch will say why)."""
+        assert self.rank is not None
+        base = self.state.base
+        store: Any = self.store
+        if base is not None and base.holds(entry):
+            if self._base is None or self._base[0] != base.source:
+                return True  # the source's store is opened by the first fetch of a shared step
+            store = self._base[1]
+        will_need = getattr(store, "will_need", None)
+        if will_need is None:
+            return True
+        try:
+            pieces = self.plan(entry, self.rank)
+        except ConfigMismatch:
+            return False
+        for i, _, _ in pieces:
+            r = entry.ranks[i]
+            will_need(entry.segment, r.offset, r.length)
+        return True
 
     def _read_ahead_due(self, step: int, depth: int) -> bool:
         """Whether to read the log on in the background, so that the next steps are known (and

@@ -601,7 +601,8 @@ class StreamDataset(_Resumable, torch.utils.data.IterableDataset):  # type: igno
     size (saying to pass `rank=` and `world_size=` if they were found nowhere). `start`: the first
     step; `stop`: exclusive, None to follow the stream until it is closed (waiting for steps not committed
     yet). `prefetch`: committed steps fetched ahead at least (more at a fast pace: about a second's
-    worth, `prefetch_seconds` in `reader_options`). `job`: the training job whose consumption mark
+    worth, `prefetch_seconds` in `reader_options`; from a local `file://` store, the next one
+    fetched and the others read into the page cache). `job`: the training job whose consumption mark
     rank 0 publishes (each job on a stream has its own checkpoints and mark; see `checkpoint_hook`).
     `reader_options`: more `lakestream.open_reader` options (poll_interval, verify, …).
 

@@ -165,14 +165,18 @@ async def test_a_reader_closed_while_a_fetch_finishes_past_its_cancellation_clos
     assert first.step == 0
 
 
-async def _ahead_when_asked(step_time: float, store: Any = None, **options: Any) -> list[int]:
+async def _ahead_when_asked(
+    step_time: float, store: Any = None, advised: list[int] | None = None, **options: Any
+) -> list[int]:
     """How far past each step asked for (after the first) the reader had started fetching, for a
-    consumer that takes `step_time` seconds of the reader's clock per step."""
+    consumer that takes `step_time` seconds of the reader's clock per step; with `advised`, how
+    far it had had the page cache read ahead (`FileStore.will_need`) is appended to it."""
     store = store or MemoryStore()
     await lakestream.create(store, world_size=W, global_batch=B)
     await produce(store, "p", 60 * B)
     segments = {s.segment: s.step for s in (await lakestream.load_state(store)).steps}
     started: set[int] = set()
+    cached: set[int] = set()
     get_range = store.get_range
 
     async def logged(key: str, offset: int, length: int) -> bytes:
@@ -180,12 +184,22 @@ async def _ahead_when_asked(step_time: float, store: Any = None, **options: Any)
         return await get_range(key, offset, length)
 
     store.get_range = logged  # type: ignore[method-assign]
+    if advised is not None:
+        will_need = store.will_need
+
+        def noted(key: str, offset: int, length: int) -> None:
+            cached.add(segments[key])
+            will_need(key, offset, length)
+
+        store.will_need = noted
     t = [0.0]
     ahead: list[int] = []
     async with lakestream.open_reader(store, 0, clock=lambda: t[0], **options) as r:
         async for b in r.steps(0, 40):
             if b.step > 0:
                 ahead.append(max(started) - b.step)
+                if advised is not None:
+                    advised.append(max(cached, default=b.step) - b.step)  # 0: none
             t[0] += step_time
     return ahead
 
@@ -200,13 +214,20 @@ async def test_prefetch_keeps_about_a_second_of_a_fast_consumers_steps_in_flight
     assert max(await _ahead_when_asked(0.05, prefetch=0)) == 0  # no prefetch at all
 
 
-async def test_a_local_file_store_is_read_prefetch_steps_ahead_not_a_seconds_worth(tmp_path: Path) -> None:
-    """A local `file://` store's reads have no latency to cover: a fast consumer keeps `prefetch`
-    steps in flight there (not 20, which only hold memory), and one a step a second as many."""
+@pytest.mark.parametrize(("prefetch", "step_time"), [(2, 0.05), (5, 0.05), (5, 1.0), (0, 0.05)])
+async def test_a_local_file_store_fetches_the_next_step_and_reads_the_rest_into_the_page_cache(
+    prefetch: int, step_time: float, tmp_path: Path
+) -> None:
+    """A local `file://` store's reads have no latency to cover but a disk's: a consumer, fast or
+    slow, has the next step fetched into memory there and the `prefetch` steps past the one asked
+    for read into the page cache, not a second's worth fetched (slices that only hold memory,
+    copied long before they are read); with `prefetch=0`, neither."""
     store = FileStore(tmp_path / "s")
     assert store.local
-    assert max(await _ahead_when_asked(0.05, store, prefetch=2)) == 2
-    assert max(await _ahead_when_asked(0.05, FileStore(tmp_path / "t"), prefetch=5)) == 5
+    advised: list[int] = []
+    ahead = await _ahead_when_asked(step_time, store, advised, prefetch=prefetch)
+    assert max(ahead) == min(prefetch, 1), ahead
+    assert max(advised) == (prefetch if prefetch > 1 else 0), advised
 
 
 async def test_a_local_fork_of_a_remote_stream_prefetches_a_seconds_worth(tmp_path: Path, s3_url: str) -> None:

@@ -318,6 +318,45 @@ async def test_file_reads_of_cached_objects_take_no_thread_and_say_what_a_thread
         shutil.rmtree(root, ignore_errors=True)
 
 
+async def test_will_need_has_the_page_cache_read_a_range_it_does_not_hold(tmp_path: Path) -> None:
+    """`FileStore.will_need` starts the disk's reads of a range the page cache does not hold, so
+    that a read of it made later takes no wait (a read with RWF_NOWAIT gets it all), and is no
+    error for a missing object or a range past the end."""
+    import anyio
+
+    from lakestream._store._file import DISK_FILESYSTEMS, filesystem_of
+
+    if filesystem_of(tmp_path) not in DISK_FILESYSTEMS:
+        pytest.skip(f"{tmp_path} is on {filesystem_of(tmp_path)!r}: will_need acts on disk filesystems only")
+    store = FileStore(tmp_path / "s")  # durable: its pages are clean, so the kernel can drop them
+    await store.put("a/seg", os.urandom(4 << 20))
+    path = tmp_path / "s" / "a" / "seg"
+    at, size = 1 << 20, 1 << 20
+
+    def cached() -> bool:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return os.preadv(fd, [bytearray(size)], at, os.RWF_NOWAIT) == size
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    if cached():
+        pytest.skip("the kernel kept the file's pages after POSIX_FADV_DONTNEED")
+    store.will_need("a/seg", at, size)
+    deadline = time.monotonic() + 10
+    while not cached():
+        assert time.monotonic() < deadline, "the range was not read into the page cache"
+        await anyio.sleep(0.01)
+    store.will_need("a/missing", 0, 10)
+    store.will_need("a/seg", 8 << 20, 10)
+    store.will_need("../outside", 0, 10)
+
+
 def test_filesystem_of_names_the_innermost_mount(tmp_path: Path) -> None:
     from lakestream._store._file import filesystem_of
 

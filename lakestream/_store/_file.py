@@ -128,6 +128,26 @@ class FileStore:
             self._here = os.RWF_NOWAIT if fs in DISK_FILESYSTEMS else 0 if fs in MEMORY_FILESYSTEMS else -1
         return self._here >= 0
 
+    def will_need(self, key: str, offset: int, length: int) -> None:
+        """Have the page cache read `length` bytes of `key` from `offset` in the background unless
+        it holds them (`posix_fadvise` WILLNEED), so that a read of them later takes no wait. On
+        the calling thread: a probe of the range's last byte (RWF_NOWAIT) tells whether the cache
+        holds it (a slice is written whole, and read ahead whole), and the advice only starts the
+        disk's reads. A no-op on a memory filesystem and where reads cannot be made here; best
+        effort (a missing object is the later read's to report)."""
+        if not self.local or self._here == 0 or length <= 0:
+            return
+        try:
+            fd = os.open(self._file(key), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.preadv(fd, [bytearray(1)], offset + length - 1, os.RWF_NOWAIT)
+            except BlockingIOError:
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+        except (OSError, ValueError):
+            pass
+
     async def _get(self, key: str, offset: int, length: int | None) -> bytes:
         if self.local:
             assert self._here is not None
