@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import numpy as np
 
 from . import _decisions as decisions
@@ -504,8 +505,9 @@ class Reader:
         self._ahead = (rules, step, n - 1, k - 1)
 
     def _will_need(self, entry: Step) -> bool:
-        """Have the page cache read this rank's slices of `entry` ahead (`FileStore.will_need`);
-        False if the step cannot be read as this reader's (its fetch will say why)."""
+        """Have the page cache read this rank's slices of `entry` ahead, in a worker thread, those
+        it does not hold (`FileStore.in_page_cache`, `will_need`); False if the step cannot be read
+        as this reader's (its fetch will say why)."""
         assert self.rank is not None
         base = self.state.base
         store: Any = self.store
@@ -513,8 +515,7 @@ class Reader:
             if self._base is None or self._base[0] != base.source:
                 return True  # the source's store is opened by the first fetch of a shared step
             store = self._base[1]
-        will_need = getattr(store, "will_need", None)
-        if will_need is None:
+        if not hasattr(store, "will_need") or self._tg is None:
             return True
         try:
             pieces = self.plan(entry, self.rank)
@@ -522,7 +523,8 @@ class Reader:
             return False
         for i, _, _ in pieces:
             r = entry.ranks[i]
-            will_need(entry.segment, r.offset, r.length)
+            if not store.in_page_cache(entry.segment, r.offset, r.length):
+                self._tg.start_soon(anyio.to_thread.run_sync, store.will_need, entry.segment, r.offset, r.length)
         return True
 
     def _read_ahead_due(self, step: int, depth: int) -> bool:

@@ -170,7 +170,8 @@ async def _ahead_when_asked(
 ) -> list[int]:
     """How far past each step asked for (after the first) the reader had started fetching, for a
     consumer that takes `step_time` seconds of the reader's clock per step; with `advised`, how
-    far it had had the page cache read ahead (`FileStore.will_need`) is appended to it."""
+    far it had looked to have the page cache read ahead (`FileStore.in_page_cache`) is appended
+    to it."""
     store = store or MemoryStore()
     await lakestream.create(store, world_size=W, global_batch=B)
     await produce(store, "p", 60 * B)
@@ -185,13 +186,13 @@ async def _ahead_when_asked(
 
     store.get_range = logged  # type: ignore[method-assign]
     if advised is not None:
-        will_need = store.will_need
+        in_page_cache = store.in_page_cache
 
-        def noted(key: str, offset: int, length: int) -> None:
+        def noted(key: str, offset: int, length: int) -> bool:
             cached.add(segments[key])
-            will_need(key, offset, length)
+            return bool(in_page_cache(key, offset, length))
 
-        store.will_need = noted
+        store.in_page_cache = noted
     t = [0.0]
     ahead: list[int] = []
     async with lakestream.open_reader(store, 0, clock=lambda: t[0], **options) as r:

@@ -319,9 +319,9 @@ async def test_file_reads_of_cached_objects_take_no_thread_and_say_what_a_thread
 
 
 async def test_will_need_has_the_page_cache_read_a_range_it_does_not_hold(tmp_path: Path) -> None:
-    """`FileStore.will_need` starts the disk's reads of a range the page cache does not hold, so
-    that a read of it made later takes no wait (a read with RWF_NOWAIT gets it all), and is no
-    error for a missing object or a range past the end."""
+    """`FileStore.in_page_cache` tells a range the page cache does not hold, and `will_need`
+    starts the disk's reads of it, so that a read of it made later takes no wait (a read with
+    RWF_NOWAIT gets it all); neither is an error for a missing object or a range past the end."""
     import anyio
 
     from lakestream._store._file import DISK_FILESYSTEMS, filesystem_of
@@ -347,14 +347,16 @@ async def test_will_need_has_the_page_cache_read_a_range_it_does_not_hold(tmp_pa
     os.close(fd)
     if cached():
         pytest.skip("the kernel kept the file's pages after POSIX_FADV_DONTNEED")
+    assert not store.in_page_cache("a/seg", at, size)
     store.will_need("a/seg", at, size)
     deadline = time.monotonic() + 10
     while not cached():
         assert time.monotonic() < deadline, "the range was not read into the page cache"
         await anyio.sleep(0.01)
-    store.will_need("a/missing", 0, 10)
-    store.will_need("a/seg", 8 << 20, 10)
-    store.will_need("../outside", 0, 10)
+    assert store.in_page_cache("a/seg", at, size)
+    for key, offset in (("a/missing", 0), ("a/seg", 8 << 20), ("../outside", 0)):
+        assert store.in_page_cache(key, offset, 10)  # nothing to read ahead: the fetch reports it
+        store.will_need(key, offset, 10)
 
 
 def test_filesystem_of_names_the_innermost_mount(tmp_path: Path) -> None:

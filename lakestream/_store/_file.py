@@ -128,20 +128,33 @@ class FileStore:
             self._here = os.RWF_NOWAIT if fs in DISK_FILESYSTEMS else 0 if fs in MEMORY_FILESYSTEMS else -1
         return self._here >= 0
 
-    def will_need(self, key: str, offset: int, length: int) -> None:
-        """Have the page cache read `length` bytes of `key` from `offset` in the background unless
-        it holds them (`posix_fadvise` WILLNEED), so that a read of them later takes no wait. On
-        the calling thread: a probe of the range's last byte (RWF_NOWAIT) tells whether the cache
-        holds it (a slice is written whole, and read ahead whole), and the advice only starts the
-        disk's reads. A no-op on a memory filesystem and where reads cannot be made here; best
-        effort (a missing object is the later read's to report)."""
+    def in_page_cache(self, key: str, offset: int, length: int) -> bool:
+        """Whether the page cache holds the last byte of `length` bytes of `key` from `offset` (a
+        slice is written whole, and read ahead whole): a probe with RWF_NOWAIT, which never waits
+        for the disk. True where there is nothing to read ahead: on a memory filesystem, where
+        reads are not made here, for a missing object or an empty range (the fetch reports those)."""
         if not self.local or self._here == 0 or length <= 0:
-            return
+            return True
         try:
             fd = os.open(self._file(key), os.O_RDONLY | os.O_CLOEXEC)
             try:
                 os.preadv(fd, [bytearray(1)], offset + length - 1, os.RWF_NOWAIT)
-            except BlockingIOError:
+            finally:
+                os.close(fd)
+        except BlockingIOError:
+            return False
+        except (OSError, ValueError):
+            pass
+        return True
+
+    def will_need(self, key: str, offset: int, length: int) -> None:
+        """Have the page cache read `length` bytes of `key` from `offset` in the background
+        (`posix_fadvise` WILLNEED), so that a read of them later takes no wait. Blocking (it
+        starts the disk's reads: most of a millisecond a 2.35 MB slice while a disk is busy), so
+        for a worker thread; best effort (a missing object is the later read's to report)."""
+        try:
+            fd = os.open(self._file(key), os.O_RDONLY | os.O_CLOEXEC)
+            try:
                 os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
             finally:
                 os.close(fd)
