@@ -509,12 +509,7 @@ class Reader:
         it does not hold (`FileStore.in_page_cache`, `will_need`); False if the step cannot be read
         as this reader's (its fetch will say why)."""
         assert self.rank is not None
-        base = self.state.base
-        store: Any = self.store
-        if base is not None and base.holds(entry):
-            if self._base is None or self._base[0] != base.source:
-                return True  # the source's store is opened by the first fetch of a shared step
-            store = self._base[1]
+        store: Any = self._opened_store_of(entry)  # a fork's source: opened by a fetch, not here
         if not hasattr(store, "will_need") or self._tg is None:
             return True
         try:
@@ -738,19 +733,30 @@ class Reader:
         at = f" of {base.source}" if base is not None and base.holds(entry) else ""
         return f"{self.url} step {entry.step} rank {rank} object {entry.segment}{at}"
 
-    async def _store_of(self, entry: Step, rank: int) -> ObjectStore:
-        """The store holding `entry`'s segment: a fork's shared steps are its source's (a URL read
-        from the store: CorruptData naming the step if it is not one this library opens)."""
+    def _opened_store_of(self, entry: Step) -> ObjectStore | None:
+        """The store holding `entry`'s segment if it is open: this reader's, or a fork's source
+        once a fetch of a shared step opened it (`_store_of`); else None."""
         base = self.state.base
         if base is None or not base.holds(entry):
             return self.store
         if self._base is None or self._base[0] != base.source:
-            store = open_source_store(base.source, self._where(entry, rank))  # read for segments named alike only
-            self._local = self._local and getattr(store, "local", False)  # its reads may have latency to cover
-            old, self._base = self._base, (base.source, store)
-            if old is not None:
-                await old[1].aclose()
+            return None
         return self._base[1]
+
+    async def _store_of(self, entry: Step, rank: int) -> ObjectStore:
+        """The store holding `entry`'s segment: a fork's shared steps are its source's (a URL read
+        from the store: CorruptData naming the step if it is not one this library opens)."""
+        opened = self._opened_store_of(entry)
+        if opened is not None:
+            return opened
+        base = self.state.base
+        assert base is not None
+        store = open_source_store(base.source, self._where(entry, rank))  # read for segments named alike only
+        self._local = self._local and getattr(store, "local", False)  # its reads may have latency to cover
+        old, self._base = self._base, (base.source, store)
+        if old is not None:
+            await old[1].aclose()
+        return store
 
     async def _get_slice(self, entry: Step, rank: int) -> bytes:
         r = entry.ranks[rank]
