@@ -1,4 +1,5 @@
-"""Mount benchmark: large-file throughput, small-file open+read latency, commit-to-first-byte.
+"""Mount benchmark: large-file throughput, small-file open+read latency, commit-to-first-byte,
+CPU while waiting, what a FUSE request costs.
 
     .venv/bin/python bench/mount.py            # full run, about 1.5 minutes
     .venv/bin/python bench/mount.py --quick    # about 15 s: 64 MiB slices, fewer steps and commits
@@ -40,6 +41,15 @@ preallocated buffer (--buffer, default 1 MiB) until EOF.
    the reader was already blocked in the lookup (opened before the record appeared) and gives
    their figures apart: with no gap a reader that falls behind measures its own lag.
 
+4. Idle: a reader, a StreamDataset and the mount waiting for a step not committed: their CPU.
+5. Requests: what one FUSE request costs the daemon, the mount's (a lookup of `rank-0/latest`,
+   which has zero timeouts) against an empty pyfuse3 filesystem's served the same way (asyncio,
+   the mount's wait for /dev/fuse; a stat of a file with zero timeouts), CPU of each process a
+   request; then MountDataset(collate=True) over a prefilled stream of the floor's steps (16
+   uint8 arrays (3, 224, 224)): the requests a step costs, by operation (`_status.json`'s
+   "requests"), what they would cost the empty filesystem, and the trainer's and the daemon's
+   CPU a sample. No target: it shows how much of the mount's cost is the FUSE binding's own.
+
 Targets: cold >= 1 GB/s and >= 1/4 of the local page-cache read; warm >= 80% of it; commit to
 first byte p50 < 50 ms (per gap, all must hold). 1 GB = 10^9 bytes. The load average at start
 and end is printed: on a small shared machine other work moves these figures a lot.
@@ -62,6 +72,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -172,17 +183,8 @@ class Mount:
         return self.proc.pid
 
     def cpu_seconds(self) -> float:
-        """CPU time of the mount process so far, to the nanosecond: the sum over its threads of
-        /proc/PID/task/TID/schedstat. (utime + stime count clock ticks, 10 ms: over the floor's
-        19 steps a tick is 33 µs a sample.) A thread that exited is no longer counted, which is
-        fine between two calls a few seconds apart; use `proc_cpu_seconds` over longer spans."""
-        total = 0
-        for task in Path(f"/proc/{self.pid}/task").iterdir():
-            try:
-                total += int((task / "schedstat").read_text().split()[0])
-            except (OSError, ValueError, IndexError):  # the thread exited meanwhile
-                continue
-        return total / 1e9
+        """CPU time of the mount process so far (`task_cpu_seconds`)."""
+        return task_cpu_seconds(self.pid)
 
     def close(self) -> None:
         if self in _MOUNTS:
@@ -196,6 +198,20 @@ class Mount:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+
+
+def task_cpu_seconds(pid: int) -> float:
+    """CPU time of process `pid` so far, to the nanosecond: the sum over its threads of
+    /proc/PID/task/TID/schedstat. (utime + stime count clock ticks, 10 ms: over the floor's 19
+    steps a tick is 33 µs a sample.) A thread that exited is no longer counted, which is fine
+    between two calls a few seconds apart; use `proc_cpu_seconds` over longer spans."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):  # the thread exited meanwhile
+            continue
+    return total / 1e9
 
 
 def _close_all_mounts() -> None:
@@ -760,6 +776,145 @@ def _idle_one(root: Path, n: int, kind: str, url: str, seconds: float) -> tuple[
             child.wait()
 
 
+# -- 5. requests ----------------------------------------------------------------------------------
+
+# An empty pyfuse3 filesystem, served as the mount serves (asyncio, the mount's wait for /dev/fuse):
+# `f` answers lookups and getattrs with zero timeouts (each stat of it is a request) and counts
+# them; `n`'s size is that count.
+EMPTY_FS_CODE = r"""
+import asyncio, errno, stat, sys
+import pyfuse3, pyfuse3.asyncio
+from lakestream_mount import _readable_soon
+
+class Empty(pyfuse3.Operations):
+    served = 0
+
+    async def getattr(self, inode, ctx=None):
+        if inode == 2:
+            self.served += 1
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = inode
+        a.st_mode = stat.S_IFDIR | 0o555 if inode == pyfuse3.ROOT_INODE else stat.S_IFREG | 0o444
+        a.st_size = self.served if inode == 3 else 0
+        a.entry_timeout = a.attr_timeout = 0
+        return a
+
+    async def lookup(self, parent, name, ctx=None):
+        if parent == pyfuse3.ROOT_INODE and name in (b"f", b"n"):
+            return await self.getattr(2 if name == b"f" else 3)
+        raise pyfuse3.FUSEError(errno.ENOENT)
+
+async def main(mountpoint):
+    pyfuse3.init(Empty(), mountpoint, set(pyfuse3.default_options) | {"fsname=empty", "ro"})
+    print("mounted", flush=True)
+    try:
+        await pyfuse3.main()
+    finally:
+        pyfuse3.close()
+
+pyfuse3.asyncio.enable()
+pyfuse3.asyncio.wait_readable = _readable_soon(pyfuse3.asyncio.wait_readable)
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def _stat_loop(path: Path, seconds: float) -> tuple[int, float]:
+    """Stat `path` for `seconds`: (stats, CPU seconds of this process)."""
+    n, c0, t0 = 0, time.process_time(), time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        os.stat(path)
+        n += 1
+    return n, time.process_time() - c0
+
+
+def _mount_requests(mountpoint: Path) -> Counter[str]:
+    import json
+
+    return Counter(json.loads((mountpoint / "_status.json").read_bytes())["requests"])
+
+
+def bench_requests(root: Path, a: argparse.Namespace, rows: list[list[str]], verdicts: list[tuple[str, bool]]) -> None:
+    """What a FUSE request costs: an empty pyfuse3 filesystem's stat loop against the mount's
+    (a lookup of `rank-0/latest`, zero timeouts), CPU of the daemon and of the caller a request;
+    then MountDataset(collate=True) over a prefilled stream of the floor's steps (16 uint8 arrays
+    (3, 224, 224) a step): the requests a step costs (`_status.json`), and what they would cost
+    the empty filesystem, against the trainer's and the daemon's CPU a sample."""
+    import numpy as np
+
+    from lakestream.torch import MountDataset
+
+    empty_mp = root / "mnt-empty"
+    empty_mp.mkdir()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parent.parent / "mount"), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    child = subprocess.Popen(
+        [sys.executable, "-c", EMPTY_FS_CODE, str(empty_mp)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert child.stdout is not None
+        if child.stdout.readline().strip() != "mounted":
+            raise RuntimeError("requests: the empty filesystem did not mount")
+        os.stat(empty_mp / "f")
+        served0, d0 = os.stat(empty_mp / "n").st_size, task_cpu_seconds(child.pid)
+        stats, caller = _stat_loop(empty_mp / "f", a.request_seconds)
+        daemon = task_cpu_seconds(child.pid) - d0
+        served = os.stat(empty_mp / "n").st_size - served0
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(empty_mp)], capture_output=True, timeout=30)
+        child.terminate()
+        child.wait(10)
+    empty_daemon, empty_caller = daemon / served, caller / served
+    log(f"requests: empty pyfuse3 filesystem, {stats} stats, {served} requests")
+
+    steps = a.request_steps
+    url = f"file://{root}/requests"
+    run_async(create, url, 16)
+    img = np.random.default_rng(0).integers(0, 255, (3, 224, 224), dtype=np.uint8)
+    run_async(produce, url, "requests", iter({"__key__": f"{i:06d}", "img": img} for i in range(16 * steps)))
+    with Mount(url, root / "mnt-requests", root / "mount-requests.log") as m:
+        latest = m.mountpoint / "rank-0" / "latest"
+        os.lstat(latest)
+        r0, d0 = _mount_requests(m.mountpoint), m.cpu_seconds()
+        stats, caller = _stat_loop(latest, a.request_seconds)
+        daemon = m.cpu_seconds() - d0
+        served = sum((_mount_requests(m.mountpoint) - r0).values())
+        log(f"requests: the mount, {stats} stats of latest, {served} requests")
+        mount_daemon, mount_caller = daemon / served, caller / served
+        it = iter(MountDataset(m.mountpoint, 0, 1, stop=steps, collate=True, timeout=60))
+        next(it)  # step 0: the mount's start and the first fetch, one-offs
+        looking = _mount_requests(m.mountpoint)
+        r0 = _mount_requests(m.mountpoint)
+        looking = r0 - looking  # what a read of `_status.json` costs: taken out of the step's count
+        c0, d0 = time.process_time(), m.cpu_seconds()
+        read = sum(1 for _ in it)
+        trainer, daemon = time.process_time() - c0, m.cpu_seconds() - d0
+        per_step = _mount_requests(m.mountpoint) - r0 - looking
+    assert read == steps - 1, read
+    per_step_n = sum(per_step.values()) / read
+    by_op = ", ".join(f"{op} {n / read:.1f}" for op, n in sorted(per_step.items()))
+    samples = read * 16
+    floor = per_step_n * empty_daemon / 16
+    rows += [
+        ["FUSE request (lookup, zero timeouts), daemon CPU; local: an empty pyfuse3 filesystem",
+         fmt_us(mount_daemon), fmt_us(empty_daemon), ratio(mount_daemon / empty_daemon), "", ""],
+        ["  the caller's CPU (stat)", fmt_us(mount_caller), fmt_us(empty_caller), ratio(mount_caller / empty_caller), "", ""],
+        [f"MountDataset(collate) step, 16 × 147 KiB: requests ({by_op})", f"{per_step_n:.1f}", "", "", "", ""],
+        ["  those requests at the empty filesystem's cost, a sample", fmt_us(floor), "", "", "", ""],
+        ["  trainer + daemon CPU, a sample", f"{fmt_us(trainer / samples)} + {fmt_us(daemon / samples)}", "", "", "", ""],
+    ]  # fmt: skip
+    print(
+        f"FUSE requests: an empty pyfuse3 filesystem spends {empty_daemon * 1e6:.0f} µs of CPU a request "
+        f"(the mount {mount_daemon * 1e6:.0f}); a collated step's {per_step_n:.1f} requests would cost it "
+        f"{floor * 1e6:.0f} µs a sample before any fetch (the mount's daemon spent {daemon / samples * 1e6:.0f}, "
+        f"the trainer {trainer / samples * 1e6:.0f})",
+        flush=True,
+    )
+
+
 # -- main ----------------------------------------------------------------------------------------
 
 
@@ -768,7 +923,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="under a minute: 64 MiB slices, fewer steps and commits")
     ap.add_argument("--smoke", action="store_true", help="a few seconds: 4 MiB slices, every part once")
     ap.add_argument("--buffer", type=int, default=1 * MiB, help="read buffer bytes (default 1 MiB)")
-    ap.add_argument("--only", default="large,small,latency,idle", help="comma list of parts to run")
+    ap.add_argument("--only", default="large,small,latency,idle,requests", help="comma list of parts to run")
     ap.add_argument("--idle", type=float, help="seconds each waiter is measured idle in part 4 (20; 10 quick)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (mount logs)")
     ap.add_argument(
@@ -804,6 +959,7 @@ def main() -> int:
     a.gaps = a.gaps_opt or a.gaps
     a.idle = a.idle or (1.0 if a.smoke else 10.0 if a.quick else 20.0)
     a.latency_commits = a.commits or a.latency_commits
+    a.request_seconds, a.request_steps = (0.3, 4) if a.smoke else (2.0, 20) if a.quick else (5.0, 60)
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGHUP, _on_signal)
@@ -828,6 +984,8 @@ def main() -> int:
                 bench_latency(root, a, rows, verdicts)
             if "idle" in parts:
                 bench_idle(root, a, rows, verdicts)
+            if "requests" in parts:
+                bench_requests(root, a, rows, verdicts)
         finally:
             _close_all_mounts()  # before the temp dir goes
     print()

@@ -86,6 +86,12 @@ def test_mount_bench_smoke() -> None:
     assert re.search(r"cold read .*GB/s", out), out[-3000:]
     assert re.search(r"4 KiB open\+read\+close p50 / p99, cold .* µs", out), out[-3000:]
     assert re.search(r"^(MET|NOT MET) +commit -> first byte p50 [\d.]+ ms", out, re.M), out[-3000:]
+    # part 5: a request's CPU, the mount's against an empty pyfuse3 filesystem's, and a collated step's requests
+    assert re.search(r"^\| FUSE request .*\| +\d+ µs \| +\d+ µs \| +[\d.]+ \|", out, re.M), out[-3000:]
+    step = re.search(r"^\| MountDataset\(collate\) step.*requests \((.*)\) +\| +([\d.]+) \|", out, re.M)
+    assert step is not None, out[-3000:]
+    ops = dict(op.split() for op in step[1].split(", "))
+    assert float(ops["read"]) >= 1 and float(ops["open"]) >= 1 and float(step[2]) > 0, step[0]
 
 
 def test_e2e_bench_smoke() -> None:

@@ -107,6 +107,38 @@ def test_each_block_field_of_a_step_is_one_npy_file(stream_url: str, mounts) -> 
     assert "Traceback" not in m.log()
 
 
+def test_status_counts_the_requests_a_collated_step_costs(stream_url: str, mounts) -> None:
+    """`_status.json`'s "requests" counts the FUSE requests served, by operation: a step of one
+    array field read as MountDataset reads it costs a lookup of its directory, `_meta.json`,
+    `_batch` and `_batch/img.npy`, an open and a read of each file (one read: they are small),
+    their releases, and no getattr (the lookups answer it)."""
+    url = stream_url
+    create(url, 1, 8)
+    rng = np.random.default_rng(0)
+    produce(
+        url, "p", [{"__key__": f"k{i:03d}", "img": rng.integers(0, 255, (4, 5, 3), dtype=np.uint8)} for i in range(24)]
+    )
+    m = mounts(url, "--prefetch", 0)
+
+    def requests() -> dict[str, int]:
+        return json.loads((m.mountpoint / "_status.json").read_bytes())["requests"]
+
+    def since(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+        return {op: n - before.get(op, 0) for op, n in after.items() if n != before.get(op, 0)}
+
+    it = iter(MountDataset(m.mountpoint, 0, 1, stop=3, collate=True, timeout=30))
+    assert next(it)["step"] == 0
+    looking = since(requests(), requests())  # what a read of `_status.json` costs
+    assert looking["open"] == 1 and looking["read"] >= 1, looking
+    before = requests()
+    item = next(it)
+    assert item["step"] == 1 and item["img"].shape == (8, 4, 5, 3)
+    step = since(looking, since(before, requests()))
+    release = step.pop("release", 0)
+    assert step == {"lookup": 4, "open": 2, "read": 2}, step
+    assert 1 <= release <= 2, release  # a release reaches the mount after the close returned
+
+
 def test_a_resliced_step_joins_the_blocks_of_its_pieces(tmp_path: Path, mounts) -> None:
     """Steps sealed for 2 ranks read as 1 (a reshape): rank 0's `_batch/img.npy` holds the rows of
     both stored slices, and the samples' files still read."""

@@ -204,7 +204,10 @@ def _handler(
 ) -> Callable[Concatenate[LakeFS, P], Coroutine[Any, Any, T]]:
     """Log every exception of a handler and map it to an errno, in one place."""
 
+    name = fn.__name__
+
     async def wrapper(self: LakeFS, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        self.requests[name] += 1
         try:
             return await fn(self, *args, **kwargs)
         except pyfuse3.FUSEError:
@@ -216,13 +219,13 @@ def _handler(
             if isinstance(e, lakestream.StepUnavailable):
                 log.info("%s: %s", fn.__name__, e)
                 raise pyfuse3.FUSEError(errno.ENOENT) from None
-            self.metrics.eio(fn.__name__)
+            self.metrics.eio(name)
             if isinstance(e, lakestream.CorruptData):
-                log.error("%s: %s", fn.__name__, e)
+                log.error("%s: %s", name, e)
             elif isinstance(e, lakestream.StoreError):
-                log.error("%s: object store failed: %s", fn.__name__, e)
+                log.error("%s: object store failed: %s", name, e)
             else:
-                log.error("%s%r failed", fn.__name__, args, exc_info=e)
+                log.error("%s%r failed", name, args, exc_info=e)
             raise pyfuse3.FUSEError(errno.EIO) from None
 
     functools.update_wrapper(wrapper, fn)
@@ -492,6 +495,7 @@ class LakeFS(pyfuse3.Operations):
         self._changed = anyio.Event()
         self._poke = anyio.Event()
         self._handles: dict[int, Node | int | bytes] = {}  # fh -> node, fixed inode, or status bytes
+        self.requests: Counter[str] = Counter()  # FUSE requests served, by operation (`_status.json`)
         self._next_fh = 0
         self._cursor: dict[int, int] = {}  # the newest step looked up per rank: the prefetch window's start
         # (before any: the head at start), and the cache keeps KEEP_BEHIND steps below it
@@ -835,6 +839,7 @@ class LakeFS(pyfuse3.Operations):
                 "cache_bytes": self.cache.nbytes,
                 "inodes": len(self.inodes.nodes),
                 "follow_error": self.follow_error,
+                "requests": dict(sorted(self.requests.items())),
             },
             option=orjson.OPT_INDENT_2,
         )
@@ -876,6 +881,10 @@ class LakeFS(pyfuse3.Operations):
 
     @_handler
     async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
+        return await self._attributes(inode, ctx)
+
+    async def _attributes(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
+        """What `getattr` answers (lookups and listings answer it too, as no request of their own)."""
         if inode in self.inodes.nodes:
             return self._node_attr(await self._node(inode, ctx))
         kind, _ = self._fixed(inode)
@@ -907,10 +916,10 @@ class LakeFS(pyfuse3.Operations):
         kind, r = self._fixed(parent)
         if kind == "root":
             if name == STATUS_NAME:
-                return await self.getattr(STATUS)
+                return await self._attributes(STATUS)
             rank = int(name[5:]) if name.startswith(b"rank-") and name[5:].isdigit() and len(name) < 12 else -1
             if rank >= 0 and self._shown(rank) and name == b"rank-%d" % rank:
-                return await self.getattr(RANK_BASE + 2 * rank)
+                return await self._attributes(RANK_BASE + 2 * rank)
             raise pyfuse3.FUSEError(errno.ENOENT)
         if kind != "rank":
             raise pyfuse3.FUSEError(errno.ENOTDIR)
@@ -918,9 +927,9 @@ class LakeFS(pyfuse3.Operations):
         if name == LATEST_NAME:
             if s.head < s.first_step:
                 raise pyfuse3.FUSEError(errno.ENOENT)
-            return await self.getattr(RANK_BASE + 2 * r + 1)
+            return await self._attributes(RANK_BASE + 2 * r + 1)
         if name == END_NAME:
-            return await self.getattr(END_BASE + r)
+            return await self._attributes(END_BASE + r)
         step = step_of_name(name)
         if step is None or step < s.first_step or not self._has(r, step):
             raise pyfuse3.FUSEError(errno.ENOENT)
@@ -942,6 +951,7 @@ class LakeFS(pyfuse3.Operations):
         return b"%012d" % self.state.head
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        self.requests["forget"] += 1
         for inode, n in inode_list:
             self.inodes.forget(inode, n)
 
@@ -1000,15 +1010,15 @@ class LakeFS(pyfuse3.Operations):
             entries = [(STATUS_NAME, STATUS)] + [(b"rank-%d" % x, RANK_BASE + 2 * x) for x in self.ranks]
             for i in range(start_id, len(entries)):
                 name, ino = entries[i]
-                if not pyfuse3.readdir_reply(token, name, await self.getattr(ino), i + 1):
+                if not pyfuse3.readdir_reply(token, name, await self._attributes(ino), i + 1):
                     return
             return
         s = self.state
         # ids: 0 = start, 1 = after `latest`, 2 = after `END`, step + 3 = after that step
-        latest = await self.getattr(RANK_BASE + 2 * r + 1)
+        latest = await self._attributes(RANK_BASE + 2 * r + 1)
         if start_id == 0 and s.head >= s.first_step and not pyfuse3.readdir_reply(token, LATEST_NAME, latest, 1):
             return
-        end = await self.getattr(END_BASE + r) if start_id <= 1 and s.ended else None
+        end = await self._attributes(END_BASE + r) if start_id <= 1 and s.ended else None
         if end is not None and not pyfuse3.readdir_reply(token, END_NAME, end, 2):
             return
         for n in range(max(s.first_step, start_id - 2 if start_id > 2 else 0), s.head + 1):
@@ -1019,6 +1029,7 @@ class LakeFS(pyfuse3.Operations):
                 return
 
     async def releasedir(self, fh: int) -> None:
+        self.requests["releasedir"] += 1
         self._handles.pop(fh, None)
 
     # -- files ---------------------------------------------------------------------------------
@@ -1058,6 +1069,7 @@ class LakeFS(pyfuse3.Operations):
         return sl.files[target.index].read(sl.data, off, size)  # type: ignore[return-value]  # see File.read
 
     async def release(self, fh: int) -> None:
+        self.requests["release"] += 1
         self._handles.pop(fh, None)
 
     async def statfs(self, ctx: Any = None) -> pyfuse3.StatvfsData:
