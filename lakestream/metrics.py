@@ -383,11 +383,14 @@ class _LiveCollector:
         waiting: dict[tuple[str, ...], float] = {}
         cache: dict[tuple[str, ...], float] = {}
         slices: dict[tuple[str, ...], float] = {}
+        requests: dict[tuple[str, ...], float] = {}
         for fs in _live(_mounts):
             url = (fs.reader.url,)
             waiting[url] = waiting.get(url, 0) + fs._waiters
             cache[url] = cache.get(url, 0) + fs.cache.nbytes
             slices[url] = slices.get(url, 0) + len(fs.cache._slices)
+            for op, n in list(fs.requests.items()):
+                requests[(*url, op)] = requests.get((*url, op), 0) + n
         records: dict[tuple[str, ...], float] = {}
         outputs: dict[tuple[str, ...], float] = {}
         dropped: dict[tuple[str, ...], float] = {}
@@ -418,6 +421,8 @@ class _LiveCollector:
             _gauge("lakestream_mount_lookups_waiting", "Lookups waiting for a step to be committed", s, waiting),
             _gauge("lakestream_mount_cache_bytes", "Bytes of rank slices in the mount's cache", s, cache),
             _gauge("lakestream_mount_cache_slices", "Rank slices in the mount's cache", s, slices),
+            _counter("lakestream_mount_requests", "FUSE requests the mount served, by operation", ["stream", "op"],
+                     requests),
             _counter("lakestream_transform_records", "Source records given to the map function", sp, records),
             _counter("lakestream_transform_outputs", "Samples the map function returned", sp, outputs),
             _counter("lakestream_transform_dropped", "Records the map function mapped to nothing", sp, dropped),

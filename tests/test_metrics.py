@@ -169,6 +169,8 @@ def test_mount_serves_cache_fetches_and_waiting_lookups(tmp_path: Path) -> None:
         assert value(s, "lakestream_mount_fetch_seconds_count", stream=url) == 6
         assert (value(s, "lakestream_mount_cache_bytes", stream=url) or 0) > 6 * 4 * 300
         assert value(s, "lakestream_mount_lookups_waiting", stream=url) == 0
+        for op in ("lookup", "open", "read"):  # 6 step directories, and at least a file of each opened and read
+            assert (value(s, "lakestream_mount_requests_total", stream=url, op=op) or 0) >= 6, op
         assert value(s, "lakestream_manifest_head_step", stream=url) == 2
 
         # A lookup of step 3 waits for its commit: the gauge shows it, then the wait histogram.

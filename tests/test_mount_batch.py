@@ -137,6 +137,9 @@ def test_status_counts_the_requests_a_collated_step_costs(stream_url: str, mount
     release = step.pop("release", 0)
     assert step == {"lookup": 4, "open": 2, "read": 2}, step
     assert 1 <= release <= 2, release  # a release reaches the mount after the close returned
+    before = requests()
+    os.statvfs(m.mountpoint)
+    assert since(looking, since(before, requests())) == {"statfs": 1}
 
 
 def test_a_resliced_step_joins_the_blocks_of_its_pieces(tmp_path: Path, mounts) -> None:

@@ -1073,6 +1073,7 @@ class LakeFS(pyfuse3.Operations):
         self._handles.pop(fh, None)
 
     async def statfs(self, ctx: Any = None) -> pyfuse3.StatvfsData:
+        self.requests["statfs"] += 1
         s = pyfuse3.StatvfsData()
         s.f_bsize = s.f_frsize = 1 << 20
         s.f_namemax = 255
