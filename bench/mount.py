@@ -845,12 +845,8 @@ def bench_requests(root: Path, a: argparse.Namespace, rows: list[list[str]], ver
 
     empty_mp = root / "mnt-empty"
     empty_mp.mkdir()
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).resolve().parent.parent / "mount"), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
+    paths = [str(Path(__file__).resolve().parent.parent / "mount"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}  # no empty entry: not the cwd
     child = subprocess.Popen(
         [sys.executable, "-c", EMPTY_FS_CODE, str(empty_mp)], stdout=subprocess.PIPE, text=True, env=env
     )
