@@ -882,9 +882,9 @@ def bench_requests(root: Path, a: argparse.Namespace, rows: list[list[str]], ver
         mount_daemon, mount_caller = daemon / served, caller / served
         it = iter(MountDataset(m.mountpoint, 0, 1, stop=steps, collate=True, timeout=60))
         next(it)  # step 0: the mount's start and the first fetch, one-offs
-        looking = _mount_requests(m.mountpoint)
+        first = _mount_requests(m.mountpoint)
         r0 = _mount_requests(m.mountpoint)
-        looking = r0 - looking  # what a read of `_status.json` costs: taken out of the step's count
+        looking = r0 - first  # what a read of `_status.json` costs: taken out of the step's count
         c0, d0 = time.process_time(), m.cpu_seconds()
         read = sum(1 for _ in it)
         trainer, daemon = time.process_time() - c0, m.cpu_seconds() - d0

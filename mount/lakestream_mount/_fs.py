@@ -217,7 +217,7 @@ def _handler(
             if isinstance(e, pyfuse3.FUSEError):
                 raise e from None
             if isinstance(e, lakestream.StepUnavailable):
-                log.info("%s: %s", fn.__name__, e)
+                log.info("%s: %s", name, e)
                 raise pyfuse3.FUSEError(errno.ENOENT) from None
             self.metrics.eio(name)
             if isinstance(e, lakestream.CorruptData):
