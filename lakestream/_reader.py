@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
 
@@ -121,6 +122,14 @@ class _Fetch:
 
 PREFETCH_MAX_STEPS = 128  # steps fetched ahead at most, however fast the consumer (bounds the requests in flight)
 LOCAL_FETCH_AHEAD = 1  # steps fetched ahead into memory from a local file:// store (the rest: page cache)
+# ... for a consumer away from the reader at least this long a step (smoothed): one back sooner has
+# no time in which to read a slice ahead (a page-cached 2.35 MB one takes ~150 µs), and the fetch
+# ahead only costs it the bookkeeping (`Reader.steps` over bench/ingest.py's floor stream: 11 µs of
+# ~270 a step, and as much again for the task switches `_read_here` saves).
+LOCAL_AHEAD_AWAY = 100e-6
+# Steps looked at in a row (`FileStore.in_page_cache`: an open and a one-byte read, ~12 µs) that
+# the page cache held, after which none is until a read of the store waits for its disk again.
+ADVISE_HOT = 4
 READ_AHEAD_EVERY = 0.1  # seconds between reads of the log ahead of a fast consumer, per view of it
 STEP_TIME_WEIGHT = 0.2  # weight of the newest step in the consumer's smoothed time per step
 
@@ -179,10 +188,14 @@ class Reader:
         self.publish_consumed = rank == 0 if publish_consumed is None else publish_consumed
         self.consumed = -1  # the last step `steps` yielded whose next step was then asked for
         self._published = -1  # the consumption mark last published
-        self._reading_ahead = False
+        self._reading_ahead = False  # a read of the log ahead is asked for and not done
+        self._read_ahead_idle: anyio.Event | None = None  # set: the read-ahead task reads the log on
         # Prefetches: (the rules they were started under, the step asked for then, the last started,
         # the last read into the page cache).
         self._ahead: tuple[Any, int, int, int] = (None, -1, -1, -1)
+        # Steps looked at in a row that the page cache held (`_will_need`), and the store's reads
+        # that had waited for the disk then: ADVISE_HOT at first, so that none is looked at before one has.
+        self._cached, self._waits = ADVISE_HOT, 0
         self._checkpoints: deque[_Checkpoint] = deque()  # asked for, not recorded yet; the first in progress
         self._checkpoint_error: Exception | None = None
         self.bytes_fetched = 0
@@ -221,6 +234,8 @@ class Reader:
         self.world_size = w
         self._event = event_class()
         self._tg = await enter_task_group()
+        self._read_ahead_idle = self._event()
+        self._tg.start_soon(self._read_ahead, self._read_ahead_idle)
         if self.publish_consumed:
             if not state.knows_job(self.job):  # so that producers count its mark (back-pressure)
                 await self.manifest.append(lambda st, _: decisions.job(st, self.job, time.time(), url=self.url))
@@ -385,18 +400,31 @@ class Reader:
         entry = await self.wait_for_step(step, timeout=timeout)
         fetch = self._start(entry)
         await fetch.done.wait()
-        # Let go of this one, and of any fetched before it for a shape or TGB no longer in force:
-        # from the oldest on (fetches are started in step order), up to one not done yet or of a
-        # later step, so that a step costs O(1) however many are prefetched (up to 128).
-        fetches = self._fetches
-        while fetches and (k := next(iter(fetches)))[0] <= step and fetches[k].done.is_set():
-            del fetches[k]
-        if fetches.get(key := self._key(entry)) is fetch:  # behind one still in flight (after a rewind)
-            del fetches[key]
+        self._let_go(step)
+        if self._fetches.get(key := self._key(entry)) is fetch:  # behind one still in flight (after a rewind)
+            del self._fetches[key]
         if fetch.error is not None:
             raise fetch.error
         assert fetch.result is not None
         return fetch.result
+
+    def _let_go(self, step: int) -> None:
+        """Let go of the fetches of `step` and before it that are done (ones for a shape or TGB no
+        longer in force): from the oldest on (fetches are started in step order), up to one not
+        done yet or of a later step, so that a step costs O(1) however many are prefetched."""
+        fetches = self._fetches
+        while fetches and (k := next(iter(fetches)))[0] <= step and fetches[k].done.is_set():
+            del fetches[k]
+
+    async def _read_here(self, entry: Step) -> RankBatch:
+        """`read_step` of a committed step that is not being fetched, from a local store, by the
+        calling task: a fetcher task would only add two task switches to a read that does not
+        wait (page-cached: `FileStore`), ~11 µs of a 270 µs step. A checkpoint, as a wait is."""
+        self._raise_checkpoint_error()
+        batch = await self.fetch_slice(entry)
+        self._let_go(entry.step)
+        await anyio.lowlevel.checkpoint()
+        return batch
 
     async def steps(self, start: int = 0, stop: int | None = None) -> AsyncIterator[RankBatch]:
         """Every step from `start` up to `stop` (exclusive; None: until the stream ends), in order.
@@ -429,7 +457,10 @@ class Reader:
             else:
                 entry = await self.wait_for_step(step, check=check)
             check()
-            if last is None:  # the first batch first: fetched alone, before any prefetch competes with it
+            if self._local and self._key(entry) not in self._fetches:
+                batch = await self._read_here(entry)
+                self._prefetch_after(step, stop)
+            elif last is None:  # the first batch first: fetched alone, before any prefetch competes with it
                 batch = await self.read_step(step)
                 self._prefetch_after(step, stop)
             else:
@@ -463,9 +494,14 @@ class Reader:
 
     def _prefetch_after(self, step: int, stop: int | None) -> None:
         depth = self.prefetch_depth()
-        if not self._reading_ahead and self._tg is not None and self._read_ahead_due(step, depth):
+        known = stop is not None and self.state.head >= stop - 1  # every step asked for is in the log read
+        if (
+            not (self._reading_ahead or known)
+            and self._read_ahead_idle is not None
+            and self._read_ahead_due(step, depth)
+        ):
             self._reading_ahead = True
-            self._tg.start_soon(self._read_ahead)
+            self._read_ahead_idle.set()
         last = min(self.state.head, step + depth)
         if stop is not None:
             last = min(last, stop - 1)
@@ -475,7 +511,7 @@ class Reader:
         # used. Fetched far ahead, a slice only held memory, and was copied into a block long out of
         # the CPU's cache (`Reader.steps` over bench/ingest.py's floor stream: 338 against 305 µs a
         # step at prefetch 4 and 1; 410 against 367 beside a memory-bound process).
-        fetch_last = min(last, step + LOCAL_FETCH_AHEAD) if self._local else last
+        fetch_last = min(last, step + self._local_ahead()) if self._local else last
         # Steps up to the last started (and advised) were so already, unless a rewind or reshape
         # (or a new view of the log) changed what they are, or an earlier step is asked for
         # (fetches up to the step asked for are let go): each step is looked at once, not once
@@ -504,10 +540,17 @@ class Reader:
             k += 1
         self._ahead = (rules, step, n - 1, k - 1)
 
+    def _local_ahead(self) -> int:
+        """Steps to fetch into memory ahead from a local store: LOCAL_FETCH_AHEAD, unless the
+        consumer is known to be back for the next step within LOCAL_AHEAD_AWAY."""
+        return LOCAL_FETCH_AHEAD if self.step_time is not None and self.step_time >= LOCAL_AHEAD_AWAY else 0
+
     def _will_need(self, entry: Step) -> bool:
         """Have the page cache read this rank's slices of `entry` ahead, in a worker thread, those
-        it does not hold (`FileStore.in_page_cache`, `will_need`); False if the step cannot be read
-        as this reader's (its fetch will say why)."""
+        it does not hold (`FileStore.in_page_cache`, `will_need`); False if the step cannot be
+        read as this reader's (its fetch will say why). Where the store's reads of its slices tell
+        when they wait for the disk (`FileStore.reads_tell`), a step is looked at only from such a
+        read on, until ADVISE_HOT in a row were held: a stream in the page cache costs no look."""
         assert self.rank is not None
         store: Any = self._opened_store_of(entry)  # a fork's source: opened by a fetch, not here
         if not hasattr(store, "will_need") or self._tg is None:
@@ -516,10 +559,17 @@ class Reader:
             pieces = self.plan(entry, self.rank)
         except ConfigMismatch:
             return False
+        if store.waits != self._waits:  # a read waited for the disk: look at every step again
+            self._cached, self._waits = 0, store.waits
+        elif self._cached >= ADVISE_HOT and all(store.reads_tell(entry.ranks[i].length) for i, _, _ in pieces):
+            return True
+        cold = False
         for i, _, _ in pieces:
             r = entry.ranks[i]
             if not store.in_page_cache(entry.segment, r.offset, r.length):
+                cold = True
                 self._tg.start_soon(anyio.to_thread.run_sync, store.will_need, entry.segment, r.offset, r.length)
+        self._cached = 0 if cold else self._cached + 1
         return True
 
     def _read_ahead_due(self, step: int, depth: int) -> bool:
@@ -541,12 +591,16 @@ class Reader:
         once before it gives up), and no read ahead is started."""
         return self.manifest.clock() - self.manifest.confirmed_at < self.poll_min
 
-    async def _read_ahead(self) -> None:
-        try:
-            await self.manifest.follow()
-        except Exception as e:  # the next wait_for_step reads the log again and raises what persists
-            log.debug("%s: reading the log ahead failed: %s", self.url, e)
-        finally:
+    async def _read_ahead(self, idle: anyio.Event) -> None:
+        """Read the log on each time `_prefetch_after` asks (sets `_read_ahead_idle`): one task
+        for the reader's life, started with it (a `start_soon` costs ~50 µs, a wake a few)."""
+        while True:
+            await idle.wait()
+            try:
+                await self.manifest.follow()
+            except Exception as e:  # the next wait_for_step reads the log again and raises what persists
+                log.debug("%s: reading the log ahead failed: %s", self.url, e)
+            self._read_ahead_idle = idle = self._event()
             self._reading_ahead = False
 
     def _key(self, entry: Step) -> tuple[int, int, int]:

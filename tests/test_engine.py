@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections import Counter
 from pathlib import Path
@@ -166,16 +167,22 @@ async def test_a_reader_closed_while_a_fetch_finishes_past_its_cancellation_clos
 
 
 async def _ahead_when_asked(
-    step_time: float, store: Any = None, advised: list[int] | None = None, **options: Any
+    step_time: float, store: Any = None, advised: list[int] | None = None, cold: bool = False, **options: Any
 ) -> list[int]:
     """How far past each step asked for (after the first) the reader had started fetching, for a
     consumer that takes `step_time` seconds of the reader's clock per step; with `advised`, how
     far it had looked to have the page cache read ahead (`FileStore.in_page_cache`) is appended
-    to it."""
+    to it. `cold`: the stream's segments are dropped from the page cache first (a FileStore's)."""
     store = store or MemoryStore()
     await lakestream.create(store, world_size=W, global_batch=B)
     await produce(store, "p", 60 * B)
     segments = {s.segment: s.step for s in (await lakestream.load_state(store)).steps}
+    for key in segments if cold else ():
+        fd = os.open(store.root / key, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written and fsynced: clean pages, dropped
+        finally:
+            os.close(fd)
     started: set[int] = set()
     cached: set[int] = set()
     get_range = store.get_range
@@ -220,15 +227,30 @@ async def test_a_local_file_store_fetches_the_next_step_and_reads_the_rest_into_
     prefetch: int, step_time: float, tmp_path: Path
 ) -> None:
     """A local `file://` store's reads have no latency to cover but a disk's: a consumer, fast or
-    slow, has the next step fetched into memory there and the `prefetch` steps past the one asked
-    for read into the page cache, not a second's worth fetched (slices that only hold memory,
-    copied long before they are read); with `prefetch=0`, neither."""
+    slow, has the next step fetched into memory there and, once a read waited for the disk, the
+    `prefetch` steps past the one asked for read into the page cache, not a second's worth
+    fetched (slices that only hold memory, copied long before they are read); with `prefetch=0`,
+    neither."""
     store = FileStore(tmp_path / "s")
-    assert store.local
+    if not store.reads_tell(1 << 20):
+        pytest.skip(f"{tmp_path} is not on a local disk (a memory filesystem has no page cache to read ahead into)")
     advised: list[int] = []
-    ahead = await _ahead_when_asked(step_time, store, advised, prefetch=prefetch)
+    ahead = await _ahead_when_asked(step_time, store, advised, cold=True, prefetch=prefetch)
     assert max(ahead) == min(prefetch, 1), ahead
     assert max(advised) == (prefetch if prefetch > 1 else 0), advised
+    assert store.waits >= 1  # the first read: the page cache had been emptied of the stream
+
+
+async def test_a_stream_in_the_page_cache_is_read_without_a_look_at_it(tmp_path: Path) -> None:
+    """Where every read of a local disk finds the page cache holding its slice, the reader never
+    looks at what it holds (an open and a read a step); a consumer back for each step at once
+    (here within 50 µs) has no step fetched into memory ahead: it could not use one."""
+    store = FileStore(tmp_path / "s")
+    advised: list[int] = []
+    ahead = await _ahead_when_asked(50e-6, store, advised, prefetch=4)
+    assert store.waits == 0 and max(advised) == 0 and max(ahead) == 0, (store.waits, advised, ahead)
+    slow = FileStore(tmp_path / "slow")
+    assert max(await _ahead_when_asked(0.01, slow, prefetch=4)) == 1
 
 
 async def test_a_local_fork_of_a_remote_stream_prefetches_a_seconds_worth(tmp_path: Path, s3_url: str) -> None:

@@ -69,6 +69,7 @@ class FileStore:
         self.requests = 0  # calls made (for cost accounting, as S3 counts requests)
         # preadv2 flags of reads made on the calling thread (None: not known yet; -1: none is)
         self._here: int | None = None
+        self.waits = 0  # reads made on the calling thread that found the page cache lacking (`reads_tell`)
 
     def _file(self, key: str) -> str:
         """The file of object `key` (a str: pathlib's joins cost more than a small cached read)."""
@@ -106,6 +107,7 @@ class FileStore:
             finally:
                 os.close(fd)
         except BlockingIOError:  # RWF_NOWAIT: not all in the page cache
+            self.waits += 1
             return None
         except FileNotFoundError:
             raise ObjectNotFound(f"{self.url}: no object {key!r}") from None
@@ -127,6 +129,11 @@ class FileStore:
             fs = filesystem_of(self.root)
             self._here = os.RWF_NOWAIT if fs in DISK_FILESYSTEMS else 0 if fs in MEMORY_FILESYSTEMS else -1
         return self._here >= 0
+
+    def reads_tell(self, length: int) -> bool:
+        """Whether a read of `length` bytes that the page cache lacks counts in `waits`: one made
+        on the calling thread of a local disk (RWF_NOWAIT refuses it), not one made in a thread."""
+        return self.local and self._here == os.RWF_NOWAIT and length <= INLINE_BYTES
 
     def in_page_cache(self, key: str, offset: int, length: int) -> bool:
         """Whether the page cache holds the last byte of `length` bytes of `key` from `offset` (a
