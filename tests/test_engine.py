@@ -192,6 +192,16 @@ async def _ahead_when_asked(
         return await get_range(key, offset, length)
 
     store.get_range = logged  # type: ignore[method-assign]
+    if hasattr(store, "read_here"):  # a FileStore's reads made at once
+        read_here = store.read_here
+
+        def logged_here(key: str, offset: int, length: int) -> bytes | None:
+            data = read_here(key, offset, length)
+            if data is not None and key in segments:  # not a read of the log
+                started.add(segments[key])
+            return data
+
+        store.read_here = logged_here
     if advised is not None:
         in_page_cache = store.in_page_cache
 

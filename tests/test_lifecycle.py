@@ -255,9 +255,12 @@ async def test_a_replay_without_bad_steps_references_the_rest_and_producers_go_o
         live = lakestream.Producer(store, "a")
         await live.__aenter__()
         try:
-            for i in range(6 * B, 7 * B):
+            # In hand when the rewind lands: all but the last sample of its next TGB (a full one is
+            # sealed, and may be committed before the rewind, as step 12, replayed as step 9).
+            for i in range(6 * B, 7 * B - 1):
                 await live.put({"__key__": f"a-{i}", "txt": f"a:{i}"}, cursor=i + 1)
             state = await lakestream.rewind(store, to_checkpoint="c", skip=[(5, 6), (9, 9)])
+            await live.put({"__key__": f"a-{7 * B - 1}", "txt": f"a:{7 * B - 1}"}, cursor=7 * B)
             await live.flush()  # not fenced: its TGB is the next step
         finally:
             await live.aclose()

@@ -168,12 +168,27 @@ class FileStore:
         except (OSError, ValueError):
             pass
 
-    async def _get(self, key: str, offset: int, length: int | None) -> bytes:
-        if self.local:
-            assert self._here is not None
+    def read_here(self, key: str, offset: int, length: int | None) -> bytes | None:
+        """`get_range` (`length` None: to the end) made on the calling thread where it takes no
+        wait: a local store's range of at most INLINE_BYTES that the page cache holds whole. Else
+        None: `get_range` reads it in a worker thread (and counts the request: this counts one
+        only when it reads, or raises)."""
+        if not self.local:
+            return None
+        assert self._here is not None
+        try:
             data = self._read(key, offset, length, self._here, INLINE_BYTES)
-            if data is not None:
-                return data
+        except LakestreamError:
+            self.requests += 1
+            raise
+        self.requests += data is not None
+        return data
+
+    async def _get(self, key: str, offset: int, length: int | None) -> bytes:
+        data = self.read_here(key, offset, length)
+        if data is not None:
+            return data
+        self.requests += 1
         data = await anyio.to_thread.run_sync(self._read, key, offset, length)
         assert data is not None  # in a thread it waits
         return data
@@ -296,11 +311,9 @@ class FileStore:
     # -- the protocol ----------------------------------------------------------------------
 
     async def get(self, key: str) -> bytes:
-        self.requests += 1
         return await self._get(key, 0, None)
 
     async def get_range(self, key: str, offset: int, length: int) -> bytes:
-        self.requests += 1
         return await self._get(key, offset, length)
 
     async def put(self, key: str, data: Data) -> None:
