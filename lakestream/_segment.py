@@ -172,14 +172,31 @@ class SliceIndex:
 
     `fields`: each field as a `(key, field, tag, offset, length)` tuple; `refs`: the same as
     FieldRefs, made on first use (a frozen dataclass costs a microsecond or so to make, a fifth
-    of a sample's parse, and reading columns needs none)."""
+    of a sample's parse, and reading columns needs none). `keys`: the samples' keys where every
+    sample's fields are the blocks' rows and nothing else (`fields` is then made on first use
+    too: reading columns needs only the keys), else None."""
 
-    __slots__ = ("_refs", "blocks", "fields")
+    __slots__ = ("_fields", "_refs", "blocks", "keys")
 
-    def __init__(self, fields: list[tuple[str, str, str, int, int]], blocks: dict[str, Block]) -> None:
-        self.fields = fields
+    def __init__(
+        self,
+        fields: list[tuple[str, str, str, int, int]] | None,
+        blocks: dict[str, Block],
+        keys: list[str] | None = None,
+    ) -> None:
+        assert fields is not None or keys is not None
+        self._fields = fields
         self.blocks = blocks
+        self.keys = keys
         self._refs: list[FieldRef] | None = None
+
+    @property
+    def fields(self) -> list[tuple[str, str, str, int, int]]:
+        if self._fields is None:
+            assert self.keys is not None
+            rows = [(name, b.offset, b.row_bytes) for name, b in self.blocks.items()]
+            self._fields = [(k, name, "a", at + i * n, n) for i, k in enumerate(self.keys) for name, at, n in rows]
+        return self._fields
 
     @property
     def refs(self) -> list[FieldRef]:
@@ -479,53 +496,88 @@ def parse_slice(data: Any, where: str = "rank slice") -> SliceIndex:
             entries = header
             if not isinstance(entries, list):
                 raise ValueError("header is not a list")
-        start, size = pos, len(data)
-        refs: list[tuple[str, str, str, int, int]] = []
-        rows = {name: b.row_bytes for name, b in blocks.items()}
-        block_names = blocks.keys()
         bad = next((e for e in entries if not (type(e) is list and len(e) == 2 and type(e[1]) is list and e[1])), None)
         if bad is not None:
             raise ValueError(f"bad sample entry {bad!r:.80}")
-        # Any other slice's keys get the full check, and its wording, name by name below.
-        plain_keys = _plain_keys([e[0] for e in entries])
-        seen: set[str] = set()
-        plain_names: set[str] = set()  # field names found plain in this slice (most recur in every sample)
-        for i, (key, fields) in enumerate(entries):
-            if not plain_keys:
-                _check_key(key)
-                if key in seen:
-                    raise ValueError(f"sample key {key!r} appears twice")
-                seen.add(key)
-            names: set[str] = set()
-            for f in fields:
-                if not (type(f) is list and len(f) == 3):
-                    raise ValueError(f"sample {key!r}: bad field entry {f!r:.80}")
-                name, tag, length = f
-                plain = type(name) is str and name in plain_names
-                if not plain and plain_keys and _plain_name(name, True):
-                    plain = True
-                    plain_names.add(name)
-                # Both plain, so ASCII: '<key>.<field>' is within 255 bytes if within 255 characters.
-                if not (plain and len(key) + len(name) < 255):
-                    _check_field(key, name)
-                if name in names:
-                    raise ValueError(f"sample {key!r}: field {name!r} appears twice")
-                names.add(name)
-                blk = blocks.get(name)
-                if tag == "a" and blk is not None and type(length) is int and length == rows[name]:
-                    refs.append((key, name, tag, blk.offset + i * length, length))
-                    continue
-                if tag not in TAGS or blk is not None or type(length) is not int or not 0 <= length <= size - pos:
-                    raise ValueError(f"sample {key!r} field {name!r}: bad tag {tag!r} or length {length!r}")
-                refs.append((key, name, tag, pos, length))
-                pos += length
-            if blocks and not block_names <= names:
-                raise ValueError(f"sample {key!r} lacks array field(s) {sorted(block_names - names)!r:.80}")
-        if pos != size:
-            raise ValueError(f"payload is {size - start} bytes, header says {pos - start}")
-        return SliceIndex(refs, blocks)
+        # Any other slice's keys get the full check, and its wording, name by name (`_fields`).
+        keys = [e[0] for e in entries]
+        plain_keys = _plain_keys(keys)
+        if plain_keys and blocks and pos == len(data) and _only_blocks(entries, keys, blocks):
+            return SliceIndex(None, blocks, keys)
+        return SliceIndex(_fields(entries, blocks, pos, len(data), plain_keys), blocks)
     except (ValueError, TypeError, struct.error, InvalidSample) as e:
         raise CorruptData(f"{where}: malformed slice: {e}") from None
+
+
+def _fields(
+    entries: list[Any], blocks: dict[str, Block], pos: int, size: int, plain_keys: bool
+) -> list[tuple[str, str, str, int, int]]:
+    """A slice header's sample entries (each a list of a key and a non-empty list), every key and
+    field checked, as `(key, field, tag, offset, length)`, the first field not in a block at
+    `pos`, all within `size` bytes (see `parse_slice`); ValueError or InvalidSample if any is not.
+    `plain_keys`: every key passes `_plain_keys`."""
+    start = pos
+    refs: list[tuple[str, str, str, int, int]] = []
+    rows = {name: b.row_bytes for name, b in blocks.items()}
+    block_names = blocks.keys()
+    seen: set[str] = set()
+    plain_names: set[str] = set()  # field names found plain in this slice (most recur in every sample)
+    for i, (key, fields) in enumerate(entries):
+        if not plain_keys:
+            _check_key(key)
+            if key in seen:
+                raise ValueError(f"sample key {key!r} appears twice")
+            seen.add(key)
+        names: set[str] = set()
+        for f in fields:
+            if not (type(f) is list and len(f) == 3):
+                raise ValueError(f"sample {key!r}: bad field entry {f!r:.80}")
+            name, tag, length = f
+            plain = type(name) is str and name in plain_names
+            if not plain and plain_keys and _plain_name(name, True):
+                plain = True
+                plain_names.add(name)
+            # Both plain, so ASCII: '<key>.<field>' is within 255 bytes if within 255 characters.
+            if not (plain and len(key) + len(name) < 255):
+                _check_field(key, name)
+            if name in names:
+                raise ValueError(f"sample {key!r}: field {name!r} appears twice")
+            names.add(name)
+            blk = blocks.get(name)
+            if tag == "a" and blk is not None and type(length) is int and length == rows[name]:
+                refs.append((key, name, tag, blk.offset + i * length, length))
+                continue
+            if tag not in TAGS or blk is not None or type(length) is not int or not 0 <= length <= size - pos:
+                raise ValueError(f"sample {key!r} field {name!r}: bad tag {tag!r} or length {length!r}")
+            refs.append((key, name, tag, pos, length))
+            pos += length
+        if blocks and not block_names <= names:
+            raise ValueError(f"sample {key!r} lacks array field(s) {sorted(block_names - names)!r:.80}")
+    if pos != size:
+        raise ValueError(f"payload is {size - start} bytes, header says {pos - start}")
+    return refs
+
+
+def _only_blocks(entries: list[list[Any]], keys: list[str], blocks: dict[str, Block]) -> bool:
+    """Whether every sample's field entries (each a list of two, the second a list) are the
+    blocks' rows and nothing else, `[name, "a", row bytes]` in the blocks' order, with names that
+    pass the rules for each of `keys` (plain, checked by `_plain_keys`): what the check of each
+    field would find (`_fields`), at a compare a sample (the parse of a slice of 16 same-shape
+    arrays: 20 -> 16 µs). The lengths must be ints: `==` takes 1.0 or true for 1."""
+    rows = [[name, "a", b.row_bytes] for name, b in blocks.items()]
+    if not all(e[1] == rows for e in entries) or not _int_lengths(entries):
+        return False
+    longest = max(map(len, keys))  # ASCII: '<key>.<field>' is within 255 bytes if within 255 characters
+    return all(_plain_name(name, True) and longest + len(name) < 255 for name in blocks)
+
+
+def _int_lengths(entries: list[list[Any]]) -> bool:
+    """Whether every field entry of every sample (a list of two, the second a list) ends in an
+    int, not a float or bool (which `==` takes for an equal int)."""
+    try:
+        return {type(f[2]) for e in entries for f in e[1]} == {int}
+    except (TypeError, IndexError, KeyError):  # a malformed field entry: the full check says which
+        return False
 
 
 def _skip_pad(data: Any, pos: int) -> int:
@@ -739,7 +791,10 @@ def decode_columns(
     view = memoryview(data)
     if index is None:
         index = parse_slice(view, where)
-    keys: list[str] = []
+    if index.keys is not None:  # every field a block's row
+        keys = index.keys[lo:hi]
+        return len(index.keys), keys, {name: b.array(view)[lo : lo + len(keys)] for name, b in index.blocks.items()}
+    keys = []
     values: dict[str, dict[int, Any]] = {}  # field -> {position in keys: value}
     n, current, keep = 0, None, False
     for key, name, tag, offset, length in index.fields:

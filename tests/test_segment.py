@@ -19,6 +19,11 @@ from lakestream._buffers import MIN_POOLED
 from lakestream._segment import (
     ALIGN,
     DEFAULT_CHECKSUM,
+    Block,
+    SliceIndex,
+    _fields,
+    _only_blocks,
+    _plain_keys,
     checksum_of,
     decode_columns,
     decode_part,
@@ -354,6 +359,45 @@ def test_names_read_from_a_slice_pass_the_rules_of_put(key: str, field: str, mat
         return
     with pytest.raises(CorruptData, match=match):
         index_slice(sl)
+
+
+@settings(max_examples=500)
+@given(st.integers(1, 3), st.integers(1, 6), st.data())
+def test_a_slice_of_array_rows_only_is_indexed_as_the_full_check_would(
+    nblocks: int, n: int, data: st.DataObject
+) -> None:
+    """parse_slice takes a slice whose every sample's fields are the blocks' rows, in order, at a
+    compare a sample (`_only_blocks`, the fields made only when asked for). Forged headers (a
+    row's length as a float or another int, a tag or name changed, a field added or
+    missing, keys that make '<key>.<field>' too long) are taken so only where the full check
+    (`_fields`) passes them, with the same fields."""
+    names = data.draw(st.lists(st.sampled_from(["img", "f" * 200, "f" * 200, "é" * 10, "a/b", ".."]), min_size=nblocks,
+                               max_size=nblocks, unique=True))  # fmt: skip
+    blocks = {name: Block(name, np.dtype("u1"), (5 + j,), n, 64 + 64 * j * n) for j, name in enumerate(names)}
+    entries = []
+    for i in range(n):
+        key = data.draw(st.sampled_from([f"k{i}"] * 3 + [f"{'k' * 53}{i}", f"{'k' * 54}{i}"]))
+        fields = [[name, "a", b.row_bytes] for name, b in blocks.items()]
+        change = data.draw(st.sampled_from(["none"] * 4 + ["length"] * 4 + ["tag", "name", "more", "fewer", "order"]))
+        j = data.draw(st.integers(0, len(fields) - 1))
+        if change == "length":  # a float (`==` it) or another length
+            fields[j][2] = data.draw(st.sampled_from([float(fields[j][2])] * 3 + [fields[j][2] + 1]))
+        elif change == "tag":
+            fields[j][1] = "b"
+        elif change == "name":
+            fields[j][0] = data.draw(st.sampled_from(["txt", "g" * 201, "a/b"]))
+        elif change == "more":
+            fields.append(["txt", "b", 0])
+        elif change == "fewer" and len(fields) > 1:
+            del fields[j]
+        elif change == "order":
+            fields.reverse()
+        entries.append([key, fields])
+    keys = [e[0] for e in entries]
+    plain = _plain_keys(keys)
+    if not (plain and _only_blocks(entries, keys, blocks)):
+        return  # the full check reads it
+    assert _fields(entries, blocks, 1 << 20, 1 << 20, plain) == SliceIndex(None, blocks, keys).fields
 
 
 def test_nonzero_padding_is_corrupt_data() -> None:
