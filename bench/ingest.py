@@ -60,7 +60,7 @@ import shlex
 import shutil
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -790,37 +790,38 @@ FILE_PASSES = 3  # the floor's file:// passes a side a round, at least ...
 FILE_PASS_SECONDS = 0.05  # ... and at least this long (a 20-step pass takes ~6 ms: a scheduler tick moves it)
 
 
-async def file_reader_pass(url: str, steps: int) -> tuple[float, float, int, int]:
-    """`Reader.steps()` (collate) over a file:// stream, a fresh reader a pass (opening it is not
-    timed), FILE_PASSES passes and FILE_PASS_SECONDS at least: (wall seconds, CPU seconds, slice
-    bytes, passes), summed over the passes."""
-    wall = cpu = 0.0
-    nbytes = passes = 0
-    while passes < FILE_PASSES or wall < FILE_PASS_SECONDS:
-        async with lakestream.open_reader(url, 0, 1, collate=True) as reader:
-            t0, c0 = time.perf_counter(), time.process_time()
-            async for batch in reader.steps(0, steps):
-                nbytes += batch.nbytes
-            wall, cpu = wall + time.perf_counter() - t0, cpu + time.process_time() - c0
-        passes += 1
-    return wall, cpu, nbytes, passes
-
-
-def file_plain_pass(root: Path, state: Any) -> tuple[float, float, int, int]:
-    """Plain `open` + `seek` + `read` of the same byte ranges, passes by `file_reader_pass`'s
-    rule: (wall seconds, CPU seconds, bytes, passes), summed over the passes."""
-    wall = cpu = 0.0
-    nbytes = passes = 0
-    while passes < FILE_PASSES or wall < FILE_PASS_SECONDS:
+async def file_reader_pass(url: str, steps: int) -> tuple[float, float, int]:
+    """`Reader.steps()` (collate) over a file:// stream, a fresh reader (opening it is not timed):
+    (wall seconds, CPU seconds, slice bytes)."""
+    nbytes = 0
+    async with lakestream.open_reader(url, 0, 1, collate=True) as reader:
         t0, c0 = time.perf_counter(), time.process_time()
-        for n in range(state.first_step, state.head + 1):
-            entry = state.step(n)
-            r = entry.ranks[0]
-            with open(root.joinpath(*entry.segment.split("/")), "rb", buffering=0) as f:
-                f.seek(r.offset)
-                nbytes += len(f.read(r.length))
-        wall, cpu = wall + time.perf_counter() - t0, cpu + time.process_time() - c0
-        passes += 1
+        async for batch in reader.steps(0, steps):
+            nbytes += batch.nbytes
+        return time.perf_counter() - t0, time.process_time() - c0, nbytes
+
+
+def file_plain_pass(root: Path, state: Any) -> tuple[float, float, int]:
+    """Plain `open` + `seek` + `read` of the same byte ranges: (wall seconds, CPU seconds, bytes)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    nbytes = 0
+    for n in range(state.first_step, state.head + 1):
+        entry = state.step(n)
+        r = entry.ranks[0]
+        with open(root.joinpath(*entry.segment.split("/")), "rb", buffering=0) as f:
+            f.seek(r.offset)
+            nbytes += len(f.read(r.length))
+    return time.perf_counter() - t0, time.process_time() - c0, nbytes
+
+
+async def file_passes(one: Callable[[], Awaitable[tuple[float, float, int]]]) -> tuple[float, float, int, int]:
+    """`one` pass after another, FILE_PASSES of them and FILE_PASS_SECONDS at least: (wall
+    seconds, CPU seconds, bytes, passes), summed over the passes."""
+    wall = cpu = 0.0
+    nbytes = passes = 0
+    while passes < FILE_PASSES or wall < FILE_PASS_SECONDS:
+        w, c, b = await one()
+        wall, cpu, nbytes, passes = wall + w, cpu + c, nbytes + b, passes + 1
     return wall, cpu, nbytes, passes
 
 
@@ -871,15 +872,22 @@ async def floor_round(fs: FloorStore, k: int, steps: int, pool: list[Any], step_
     if fs.s3 is None:
         root = Path(url[len("file://") :])
         state = await lakestream.load_state(url)
-        await file_reader_pass(url, steps)  # both read once, untimed: the page cache is warm for both
-        file_plain_pass(root, state)
+
+        async def plain() -> tuple[float, float, int]:
+            return file_plain_pass(root, state)
+
+        async def lib() -> tuple[float, float, int]:
+            return await file_reader_pass(url, steps)
+
+        await file_passes(lib)  # both read, untimed: the page cache is warm for both
+        await file_passes(plain)
         for which in ("floor", "lib") if floor_first else ("lib", "floor"):
             if which == "floor":
-                wall, cpu, nbytes, passes = file_plain_pass(root, state)
+                wall, cpu, nbytes, passes = await file_passes(plain)
                 run.plain_mbs.append(mb_per_s(nbytes, wall))
                 run.plain_cpu.append(cpu / (passes * per))
             else:
-                wall, cpu, nbytes, passes = await file_reader_pass(url, steps)
+                wall, cpu, nbytes, passes = await file_passes(lib)
                 run.reader_mbs.append(mb_per_s(nbytes, wall))
                 run.reader_cpu.append(cpu / (passes * per))
 

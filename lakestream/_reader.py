@@ -188,8 +188,8 @@ class Reader:
         self.publish_consumed = rank == 0 if publish_consumed is None else publish_consumed
         self.consumed = -1  # the last step `steps` yielded whose next step was then asked for
         self._published = -1  # the consumption mark last published
-        self._reading_ahead = False  # a read of the log ahead is asked for and not done
-        self._read_ahead_idle: anyio.Event | None = None  # set: the read-ahead task reads the log on
+        # Set to have the read-ahead task read the log on; set while it does (then replaced).
+        self._read_ahead_idle: anyio.Event | None = None
         # Prefetches: (the rules they were started under, the step asked for then, the last started,
         # the last read into the page cache).
         self._ahead: tuple[Any, int, int, int] = (None, -1, -1, -1)
@@ -497,13 +497,9 @@ class Reader:
     def _prefetch_after(self, step: int, stop: int | None) -> None:
         depth = self.prefetch_depth()
         known = stop is not None and self.state.head >= stop - 1  # every step asked for is in the log read
-        if (
-            not (self._reading_ahead or known)
-            and self._read_ahead_idle is not None
-            and self._read_ahead_due(step, depth)
-        ):
-            self._reading_ahead = True
-            self._read_ahead_idle.set()
+        idle = self._read_ahead_idle
+        if idle is not None and not idle.is_set() and not known and self._read_ahead_due(step, depth):
+            idle.set()
         last = min(self.state.head, step + depth)
         if stop is not None:
             last = min(last, stop - 1)
@@ -603,7 +599,6 @@ class Reader:
             except Exception as e:  # the next wait_for_step reads the log again and raises what persists
                 log.debug("%s: reading the log ahead failed: %s", self.url, e)
             self._read_ahead_idle = idle = self._event()
-            self._reading_ahead = False
 
     def _key(self, entry: Step) -> tuple[int, int, int]:
         # A rewind gives a step a new TGB at a new version; a reshape gives it a new world size.

@@ -565,19 +565,16 @@ def _only_blocks(entries: list[list[Any]], keys: list[str], blocks: dict[str, Bl
     field would find (`_fields`), at a compare a sample (the parse of a slice of 16 same-shape
     arrays: 20 -> 16 µs). The lengths must be ints: `==` takes 1.0 or true for 1."""
     rows = [[name, "a", b.row_bytes] for name, b in blocks.items()]
-    if not all(e[1] == rows for e in entries) or not _int_lengths(entries):
+    if not all(e[1] == rows for e in entries) or not _int_lengths(entries):  # the latter on entries so formed
         return False
     longest = max(map(len, keys))  # ASCII: '<key>.<field>' is within 255 bytes if within 255 characters
     return all(_plain_name(name, True) and longest + len(name) < 255 for name in blocks)
 
 
 def _int_lengths(entries: list[list[Any]]) -> bool:
-    """Whether every field entry of every sample (a list of two, the second a list) ends in an
-    int, not a float or bool (which `==` takes for an equal int)."""
-    try:
-        return {type(f[2]) for e in entries for f in e[1]} == {int}
-    except (TypeError, IndexError, KeyError):  # a malformed field entry: the full check says which
-        return False
+    """Whether every field entry (a list of three) of every sample (a list of two, the second a
+    list of them) ends in an int, not a float or bool (which `==` takes for an equal int)."""
+    return {type(f[2]) for e in entries for f in e[1]} == {int}
 
 
 def _skip_pad(data: Any, pos: int) -> int:
